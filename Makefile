@@ -1,0 +1,39 @@
+# SpecPilot: `make demo` sets up and runs the main job on the embedded demo; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The CPU wheel of torch 2.13.0 lies on disk on our machines and pip takes it; elsewhere pip fetches it
+# from the CPU index, never the multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: setup demo bench-prose test test-slow lint train-demo clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "$(TORCH_SPEC)" --index-url $(TORCH_CPU_INDEX)
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/specpilot bench --deployment demo --prompts code --max-new-tokens 128
+	$(VENV)/bin/specpilot bench --deployment demo --prompts prose --max-new-tokens 128
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+train-demo: setup
+	$(VENV)/bin/specpilot train demo
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,361 @@
+"""`specpilot bench`: our AR and SD against Hugging Face generate, on the same prompts, in one process.
+
+Every method's output is compared with Hugging Face greedy (the stock reference). A divergence is
+*explained* when stock's top-2 logit margin at the first divergent position is below twice the
+deployment's numerical noise floor (the largest logit difference between one-token and multi-token
+forwards over the same contexts): bf16 rounding can flip such a near-tie, nothing else can.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from decoder.config import DecodeConfig
+from decoder.drafters import DraftModelDrafter, NgramDrafter
+from decoder.generate import ar_generate, crop_cache, speculative_generate
+from decoder.models import (
+    ModelLoadError,
+    check_same_tokenizer,
+    demo_deployment,
+    load_causal_lm,
+    load_tokenizer,
+)
+from decoder.profiler import DecodeStats
+
+OUR_METHODS = ("ar", "sd-draft-model", "sd-ngram")
+HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
+ALL_METHODS = OUR_METHODS + HF_METHODS
+REFERENCE = "hf-greedy"
+
+
+class BenchError(ValueError):
+    """Bad bench input; the message names the value and the fix."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: str
+
+
+def load_prompts(spec: str, prompt_dir: Path | None) -> tuple[str, list[Prompt]]:
+    """`code` / `prose` (the deployment's held-out sets) or a JSONL file of {"id", "text"} rows."""
+    if spec in ("code", "prose"):
+        if prompt_dir is None:
+            raise BenchError(f"--prompts {spec}: this deployment has no built-in prompt sets; pass a .jsonl file")
+        path = prompt_dir / f"{spec}.jsonl"
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise BenchError(f"--prompts {spec}: no such file; use code, prose or a path to a .jsonl file")
+    prompts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be "
+                             f'{{"id": ..., "text": ...}}') from e
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise BenchError(f"{path}:{lineno}: each line must be an object with a non-empty string "
+                             f'"text" (and an "id")')
+        prompts.append(Prompt(str(row.get("id", f"{path.stem}-{lineno}")), row["text"]))
+    if not prompts:
+        raise BenchError(f"{path}: no prompts found; each line must be {{\"id\": ..., \"text\": ...}}")
+    return (spec if spec in ("code", "prose") else str(path)), prompts
+
+
+@dataclass
+class MethodResult:
+    name: str
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+class _ForwardCounter:
+    """Counts target forwards during Hugging Face generate (ours count themselves)."""
+
+    def __init__(self, model) -> None:
+        self.n = 0
+        self._h = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_args) -> None:
+        self.n += 1
+
+    def close(self) -> None:
+        self._h.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Bench:
+    """Holds the models and runs each method on a prompt."""
+
+    def __init__(self, target, drafter, eos_id: int, cfg: DecodeConfig, ngram_draft_len: int,
+                 hf_prompt_lookup_tokens: int = 10) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.eos_id = eos_id
+        self.cfg = cfg
+        self.ngram_cfg = DecodeConfig(**{**cfg.as_dict(), "drafter": "ngram", "draft_len": ngram_draft_len})
+        self.hf_prompt_lookup_tokens = hf_prompt_lookup_tokens
+        self.device = next(target.parameters()).device
+
+    def methods(self, names: tuple[str, ...]) -> dict[str, Callable[[list[int]], tuple[list[int], DecodeStats]]]:
+        table = {
+            "ar": self._ar,
+            "sd-draft-model": self._sd_draft,
+            "sd-ngram": self._sd_ngram,
+            "hf-greedy": lambda p: self._hf(p, {}),
+            "hf-assisted-draft-model": lambda p: self._hf(p, {"assistant_model": self.drafter}),
+            "hf-prompt-lookup": lambda p: self._hf(p, {"prompt_lookup_num_tokens": self.hf_prompt_lookup_tokens}),
+        }
+        return {n: table[n] for n in names}
+
+    def _ar(self, prompt: list[int]) -> tuple[list[int], DecodeStats]:
+        g = ar_generate(self.target, prompt, DecodeConfig(**{**self.cfg.as_dict(), "method": "ar"}))
+        return g.tokens, g.stats
+
+    def _sd_draft(self, prompt: list[int]) -> tuple[list[int], DecodeStats]:
+        g = speculative_generate(self.target, DraftModelDrafter(self.drafter), prompt, self.cfg)
+        return g.tokens, g.stats
+
+    def _sd_ngram(self, prompt: list[int]) -> tuple[list[int], DecodeStats]:
+        c = self.ngram_cfg
+        g = speculative_generate(self.target, NgramDrafter(c.ngram_max, c.ngram_min, self.device), prompt, c)
+        return g.tokens, g.stats
+
+    @torch.inference_mode()
+    def _hf(self, prompt: list[int], extra: dict) -> tuple[list[int], DecodeStats]:
+        ids = torch.tensor([prompt], device=self.device)
+        counter = _ForwardCounter(self.target)
+        try:
+            out = self.target.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.cfg.max_new_tokens,
+                do_sample=False, pad_token_id=self.eos_id, eos_token_id=self.eos_id, **extra,
+            )
+        finally:
+            counter.close()
+        new = out[0, len(prompt):].tolist()
+        if self.eos_id in new:
+            new = new[: new.index(self.eos_id) + 1]
+        stats = DecodeStats(new_tokens=len(new), target_forwards=counter.n)
+        return new, stats
+
+
+@torch.inference_mode()
+def noise_floor(target, sequences: list[tuple[list[int], list[int]]], chunk_sizes: tuple[int, ...]) -> float:
+    """Largest |logit| difference between one-token forwards and multi-token forwards (a full
+    teacher-forced forward, and chunked forwards of each verify width) over the same contexts."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    worst = 0.0
+    for prompt, cont in sequences:
+        if len(cont) < 2:
+            continue
+        seq = torch.tensor([prompt + cont], device=device)
+        n = len(cont)
+        # One token at a time, as AR decoding computes them: logits predicting cont[0..n-1].
+        cache = DynamicCache(config=target.config)
+        one = [target(input_ids=seq[:, : len(prompt)], past_key_values=cache, logits_to_keep=1).logits[0, -1]]
+        for i in range(n - 1):
+            one.append(target(input_ids=seq[:, len(prompt) + i : len(prompt) + i + 1],
+                              past_key_values=cache).logits[0, -1])
+        one_t = torch.stack(one).float()  # [n, V]
+        full = target(input_ids=seq[:, : len(prompt) + n - 1]).logits[0, len(prompt) - 1 :].float()  # [n, V]
+        worst = max(worst, (full - one_t).abs().max().item())
+        for c in chunk_sizes:
+            cache = DynamicCache(config=target.config)
+            target(input_ids=seq[:, : len(prompt)], past_key_values=cache, logits_to_keep=1)
+            rows, pos = [], len(prompt) - 1
+            while pos < len(prompt) + n - 1:
+                crop_cache(cache, pos)
+                width = min(c, len(prompt) + n - 1 - pos)
+                rows.append(target(input_ids=seq[:, pos : pos + width], past_key_values=cache).logits[0])
+                pos += width
+            chunked = torch.cat(rows).float()[:n]
+            worst = max(worst, (chunked - one_t).abs().max().item())
+    return worst
+
+
+@torch.inference_mode()
+def top2_margin(target, context: list[int]) -> float:
+    """Stock's top-2 logit margin for the token after `context` (one teacher-forced forward)."""
+    device = next(target.parameters()).device
+    logits = target(input_ids=torch.tensor([context], device=device), logits_to_keep=1).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return (top[0] - top[1]).item()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_bench(
+    target_dir: Path, drafter_dir: Path | None, prompts_spec: str, max_new_tokens: int,
+    deployment: str = "custom", prompt_dir: Path | None = None, methods: tuple[str, ...] = ALL_METHODS,
+    draft_len: int = 4, ngram_draft_len: int = 8, dtype: str = "bfloat16", device: str = "cpu",
+    limit: int | None = None, noise_prompts: int = 4, progress: bool = True,
+) -> dict:
+    """Run every method on every prompt; return the JSON report (see the issue's contract)."""
+    if max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+    if REFERENCE not in methods:
+        methods = (REFERENCE, *methods)  # the reference every output is checked against
+    needs_drafter = any(m in ("sd-draft-model", "hf-assisted-draft-model") for m in methods)
+    if needs_drafter and drafter_dir is None:
+        raise BenchError("sd-draft-model and hf-assisted-draft-model need --drafter DIR "
+                         "(or drop them with --methods)")
+    prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
+    if limit:
+        prompts = prompts[:limit]
+    if needs_drafter:
+        check_same_tokenizer(target_dir, drafter_dir)
+    tok = load_tokenizer(target_dir, "target")
+    target = load_causal_lm(target_dir, "target", dtype, device)
+    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if needs_drafter else None
+    eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
+    cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
+                       dtype=dtype, device=device)
+    bench = Bench(target, drafter, eos, cfg, ngram_draft_len)
+    runners = bench.methods(methods)
+    encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    dev = torch.device(device)
+
+    # Warm-up: first forwards pay one-time costs (allocator, kernels, HF's generation set-up).
+    warm = encoded[0][-64:]
+    for fn in runners.values():
+        fn(warm)
+
+    results = {name: MethodResult(name) for name in runners}
+    bar = tqdm(total=len(prompts) * len(runners), desc="bench", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    # Interleave methods per prompt so machine-load drift hits every method alike.
+    for ids in encoded:
+        for name, fn in runners.items():
+            _sync(dev)
+            t0 = time.perf_counter()
+            out, stats = fn(ids)
+            _sync(dev)
+            res = results[name]
+            res.seconds += time.perf_counter() - t0
+            res.outputs.append(out)
+            res.stats.merge(stats)
+            bar.update(1)
+    bar.close()
+
+    reference = results[REFERENCE].outputs
+    k_widths = tuple(sorted({draft_len + 1, ngram_draft_len + 1}))
+    floor = noise_floor(target, [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference, strict=True)],
+                        k_widths)
+    ar = results.get("ar")
+    hf = results[REFERENCE]
+    report_methods = []
+    for name, res in results.items():
+        mismatched, unexplained, divergences = 0, 0, []
+        for pid, ids, out, ref in zip((p.id for p in prompts), encoded, res.outputs, reference, strict=True):
+            pos = first_divergence(out, ref)
+            if pos is None:
+                continue
+            mismatched += 1
+            margin = top2_margin(target, ids + ref[:pos]) if pos < len(ref) else float("inf")
+            explained = margin < 2 * floor
+            unexplained += not explained
+            divergences.append({"prompt": pid, "position": pos, "margin": round(margin, 5), "explained": explained})
+        tps = res.tokens / res.seconds if res.seconds else 0.0
+        entry = {
+            "name": name,
+            "tokens_per_s": round(tps, 2),
+            "speedup_vs_ar": round(tps / (ar.tokens / ar.seconds), 4) if ar else None,
+            "speedup_vs_hf_greedy": round(tps / (hf.tokens / hf.seconds), 4),
+            "tau": round(res.stats.tau, 4),
+            "identical_to_hf_greedy": mismatched == 0,
+            "mismatched_prompts": mismatched,
+            "unexplained_mismatches": unexplained,
+            # Extra fields (the contract above is stable; these are additions).
+            "new_tokens": res.tokens,
+            "seconds": round(res.seconds, 4),
+            "target_forwards": res.stats.target_forwards,
+            "divergences": divergences,
+        }
+        if name in OUR_METHODS:
+            entry["acceptance_rate"] = round(res.stats.acceptance_rate, 4) if res.stats.drafted else None
+            entry["accept_hist"] = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
+            entry["phase_ms_per_token"] = {k: round(1000 * v / max(1, res.tokens), 4)
+                                           for k, v in res.stats.phase_s.items()}
+            entry["draft_len"] = {"ar": None, "sd-draft-model": draft_len, "sd-ngram": ngram_draft_len}[name]
+        report_methods.append(entry)
+    order = {m: i for i, m in enumerate(ALL_METHODS)}
+    report_methods.sort(key=lambda m: order[m["name"]])
+    return {
+        "deployment": deployment,
+        "prompts": prompts_name,
+        "max_new_tokens": max_new_tokens,
+        "noise_floor": round(floor, 6),
+        "methods": report_methods,
+        "num_prompts": len(prompts),
+        "dtype": dtype,
+        "device": device,
+        "target": str(target_dir),
+        "drafter": str(drafter_dir) if drafter_dir else None,
+        "torch": torch.__version__,
+    }
+
+
+def format_table(report: dict) -> str:
+    head = (f"deployment {report['deployment']} · prompts {report['prompts']} ({report['num_prompts']}) · "
+            f"{report['max_new_tokens']} new tokens · {report['dtype']} on {report['device']} · "
+            f"noise floor {report['noise_floor']:.4f}")
+    cols = ("method", "tok/s", "vs AR", "vs HF", "tau", "accept", "identical", "diverged", "unexplained")
+    rows = []
+    for m in report["methods"]:
+        acc = m.get("acceptance_rate")
+        rows.append((
+            m["name"], f"{m['tokens_per_s']:.1f}",
+            f"{m['speedup_vs_ar']:.2f}x" if m["speedup_vs_ar"] is not None else "-",
+            f"{m['speedup_vs_hf_greedy']:.2f}x", f"{m['tau']:.2f}",
+            f"{acc:.0%}" if acc is not None else "-",
+            "yes" if m["identical_to_hf_greedy"] else "no",
+            str(m["mismatched_prompts"]), str(m["unexplained_mismatches"]),
+        ))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
+    lines.append("all methods lossless (no unexplained mismatch)" if lossless
+                 else "LOSSLESS CHECK FAILED: see unexplained mismatches above")
+    return "\n".join(lines)
+
+
+def bench_deployment(name: str) -> tuple[Path, Path | None, Path | None]:
+    if name != "demo":
+        raise BenchError(f"--deployment {name}: unknown; use demo, or --target DIR [--drafter DIR]")
+    d = demo_deployment()
+    if not (d.target / "config.json").exists():
+        raise ModelLoadError(f"the demo models are missing under {d.target.parent}; run `specpilot train demo`")
+    return d.target, d.drafter, d.prompt_dir

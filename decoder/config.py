@@ -1,0 +1,96 @@
+"""DecodeConfig: every knob of one decoding method, with a TOML round trip."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+METHODS = ("ar", "sd")
+DRAFTERS = ("draft-model", "ngram")
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+class ConfigError(ValueError):
+    """A config value a user wrote is invalid; the message names the key, the value and the fix."""
+
+
+@dataclass
+class DecodeConfig:
+    method: str = "sd"  # "ar" (target alone) or "sd" (chain speculative decoding)
+    drafter: str = "draft-model"  # "draft-model" or "ngram" (prompt lookup)
+    draft_len: int = 4  # k: tokens drafted per step (an n-gram match may give fewer)
+    ngram_max: int = 4  # longest suffix the n-gram drafter tries to match
+    ngram_min: int = 1  # shortest suffix it accepts as a match
+    temperature: float = 0.0  # 0 = greedy; > 0 = lossless rejection sampling
+    top_p: float = 1.0  # kept at 1.0: the speculative sampler is exact for the tempered distribution only
+    seed: int = 0
+    max_new_tokens: int = 128
+    stop_at_eos: bool = True
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"decode config: {key} = {getattr(self, key)!r} is invalid: {why}")
+
+        if self.method not in METHODS:
+            raise bad("method", f"choose one of {', '.join(METHODS)}")
+        if self.drafter not in DRAFTERS:
+            raise bad("drafter", f"choose one of {', '.join(DRAFTERS)}")
+        if not 1 <= self.draft_len <= 32:
+            raise bad("draft_len", "use 1 to 32")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise bad("ngram_min", f"need 1 <= ngram_min <= ngram_max (= {self.ngram_max}) <= 16")
+        if self.temperature < 0:
+            raise bad("temperature", "use 0 for greedy or a positive value for sampling")
+        if self.top_p != 1.0:
+            raise bad("top_p", "only 1.0 is supported")
+        if self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "generate at least 1 token")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
+
+    def to_toml(self) -> str:
+        lines = ["[decode]"]
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool):
+                s = "true" if v else "false"
+            elif isinstance(v, (int, float)):
+                s = repr(v)
+            else:
+                s = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            lines.append(f"{f.name} = {s}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_toml(cls, text: str) -> DecodeConfig:
+        data = tomllib.loads(text)
+        table = data.get("decode", data)
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            raise ConfigError(f"decode config: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        kwargs = {}
+        for k, v in table.items():
+            default = getattr(cls(), k) if k != "method" else "sd"
+            if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if type(v) is not type(default):
+                raise ConfigError(f"decode config: {k} = {v!r} should be of type {type(default).__name__}")
+            kwargs[k] = v
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: Path) -> DecodeConfig:
+        return cls.from_toml(Path(path).read_text())
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+    def as_dict(self) -> dict:
+        return asdict(self)

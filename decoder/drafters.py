@@ -1,0 +1,135 @@
+"""Drafters: a small draft model with its own KV cache, and n-gram prompt lookup.
+
+A drafter sees the committed token sequence, proposes up to k tokens, and is told after
+verification how many of them the target accepted so it can roll its state back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Drafter:
+    """Interface. `draft` returns (tokens [<=k] on the device, probs [<=k, V] or None when greedy)."""
+
+    name = "drafter"
+
+    def reset(self, prompt: list[int]) -> None:
+        raise NotImplementedError
+
+    def draft(self, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def commit(self, tokens: list[int], n_accepted: int) -> None:
+        """`tokens` is the committed sequence after the step; n_accepted drafts of the last draft survived."""
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller causal LM sharing the target's tokenizer, drafting k tokens autoregressively."""
+
+    name = "draft-model"
+
+    def __init__(self, model, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.temperature = temperature
+        self.generator = generator
+        self._cache_cls = DynamicCache
+        self.cache = None
+        self.cache_len = 0  # tokens of the committed sequence whose KV the cache holds
+        self._last_k = 0
+
+    def reset(self, prompt: list[int]) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+        self.cache_len = 0
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Feed what the cache has not seen (the prompt on the first step, then 1-2 tokens), then
+        # one token per forward. Drafted tokens stay on the device: no host sync inside the loop.
+        inp = torch.tensor([tokens[self.cache_len:]], device=self.device)
+        drafted, probs = [], []
+        for _ in range(k):
+            logits = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]  # [1, V]
+            if self.temperature > 0:
+                p = torch.softmax(logits.float() / self.temperature, dim=-1)
+                nxt = torch.multinomial(p, 1, generator=self.generator)  # [1, 1]
+                probs.append(p)
+            else:
+                nxt = logits.argmax(dim=-1, keepdim=True)  # [1, 1]
+            drafted.append(nxt)
+            inp = nxt
+        # The cache now holds tokens + drafted[:-1]; the last draft was never fed.
+        self.cache_len = len(tokens) + k - 1
+        self._last_k = k
+        draft = torch.cat(drafted, dim=1)[0]  # [k]
+        return draft, (torch.cat(probs, dim=0) if probs else None)
+
+    def commit(self, tokens: list[int], n_accepted: int) -> None:
+        from decoder.generate import crop_cache
+
+        # Valid prefix: the committed sequence before the step plus the accepted drafts the cache saw.
+        before = len(tokens) - n_accepted - 1
+        keep = before + min(n_accepted, self._last_k - 1)
+        if keep < self.cache_len:
+            crop_cache(self.cache, keep)
+            self.cache_len = keep
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens
+    (n from ngram_max down to ngram_min) and propose the tokens that followed it.
+
+    The index maps each n-gram to its latest end position and is updated incrementally with the
+    tokens committed each step, so a lookup costs a few dict probes, not a scan of the history.
+    """
+
+    name = "ngram"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, device: torch.device | str = "cpu",
+                 vocab_size: int | None = None) -> None:
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> latest end position
+        self.first: dict[tuple[int, ...], int] = {}  # n-gram -> earliest end position
+        self.indexed = 0  # n-grams ending before this position are indexed
+
+    def reset(self, prompt: list[int]) -> None:
+        self.index = {}
+        self.first = {}
+        self.indexed = 0
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        L = len(tokens)
+        # Index n-grams ending at each new position `end` < L (their continuation starts at `end`).
+        # The n-gram ending at L is the query itself, so it joins the index on the next call.
+        for end in range(max(self.indexed, 1), L):
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                gram = tuple(tokens[end - n : end])
+                self.index[gram] = end
+                self.first.setdefault(gram, end)
+        self.indexed = max(self.indexed, L)
+        for n in range(min(self.ngram_max, L), self.ngram_min - 1, -1):
+            gram = tuple(tokens[L - n :])
+            end = self.index.get(gram)
+            if end is not None:
+                # The latest occurrence predicts best, but in a repeating span it sits inside the last
+                # period and has fewer than k tokens after it; then the earliest one gives a full draft.
+                if L - end < k:
+                    end = self.first[gram]
+                return tokens[end : end + k]
+        return []
+
+    def draft(self, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        proposal = self.lookup(tokens, k)
+        draft = torch.tensor(proposal, dtype=torch.long, device=self.device)
+        return draft, None
+
+    def one_hot_probs(self, draft: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """A deterministic drafter's q: one-hot rows, which makes rejection sampling exact for it."""
+        return torch.nn.functional.one_hot(draft, vocab_size).float()

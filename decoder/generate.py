@@ -1,0 +1,178 @@
+"""AR decoding and chain speculative decoding over Hugging Face causal LMs with a KV cache.
+
+The target's cache always holds every committed token but the last; a step feeds that last token
+plus the draft, so one forward scores k+1 positions. Rollback is `cache.crop(n)`: exact, because a
+causal cache entry depends only on the tokens before it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decoder.config import DecodeConfig
+from decoder.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from decoder.profiler import DecodeStats, PhaseTimer
+from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens only
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Roll a cache back to its first `keep` tokens (transformers 5 crops by a negative count)."""
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)
+
+
+def _finish(new: list[int], cfg: DecodeConfig, eos_id: int | None) -> tuple[list[int], bool]:
+    """Cut at max_new_tokens and after the first EOS; report whether generation is over."""
+    done = len(new) >= cfg.max_new_tokens
+    if cfg.stop_at_eos and eos_id is not None and eos_id in new:
+        new = new[: new.index(eos_id) + 1]
+        done = True
+    return new[: cfg.max_new_tokens], done
+
+
+def _select(logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generator | None) -> torch.Tensor:
+    if cfg.temperature > 0:
+        return sample_from_logits(logits, cfg.temperature, generator)
+    return logits.argmax(dim=-1)
+
+
+def _eos_id(model) -> int | None:
+    eos = model.config.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
+@torch.inference_mode()
+def ar_generate(target, prompt: list[int], cfg: DecodeConfig, profile_sync: bool = False) -> Generation:
+    """Plain autoregressive decoding: one target forward per token (the stock baseline)."""
+    device = next(target.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
+    stats = DecodeStats()
+    timer = PhaseTimer(stats, device, profile_sync)
+    t0 = time.perf_counter()
+    cache = _new_cache(target)
+    eos = _eos_id(target)
+    inp = torch.tensor([prompt], device=device)
+    out: list[torch.Tensor] = []
+    done_check_every = 8 if (cfg.stop_at_eos and eos is not None) else cfg.max_new_tokens
+    for i in range(cfg.max_new_tokens):
+        logits = target(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = _select(logits, cfg, gen)  # [1]
+        out.append(nxt)
+        inp = nxt.view(1, 1)
+        stats.target_forwards += 1
+        timer.mark("prefill" if i == 0 else "verify")
+        # EOS is checked every few tokens, not every token: one host sync per 8 steps.
+        if (i + 1) % done_check_every == 0 and eos in torch.cat(out[-done_check_every:]).tolist():
+            break
+    new, _ = _finish(torch.cat(out).tolist(), cfg, eos)
+    timer.mark("other")
+    stats.new_tokens = len(new)
+    stats.wall_s = time.perf_counter() - t0
+    return Generation(new, stats)
+
+
+def make_drafter(cfg: DecodeConfig, drafter_model=None, device: torch.device | str = "cpu",
+                 generator: torch.Generator | None = None) -> Drafter:
+    if cfg.drafter == "draft-model":
+        if drafter_model is None:
+            raise ValueError("drafter = 'draft-model' needs a draft model; pass --drafter DIR or use "
+                             "drafter = 'ngram'")
+        return DraftModelDrafter(drafter_model, cfg.temperature, generator)
+    return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
+
+
+@torch.inference_mode()
+def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: DecodeConfig,
+                         generator: torch.Generator | None = None, profile_sync: bool = False) -> Generation:
+    """Chain speculative decoding: draft k, verify k+1 positions in one target forward, accept, roll back.
+
+    Greedy (temperature 0) commits exactly the target's argmax sequence; temperature > 0 uses
+    lossless rejection sampling, seeded by `generator` (or cfg.seed).
+    """
+    device = next(target.parameters()).device
+    if cfg.temperature > 0 and generator is None:
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        if isinstance(drafter, DraftModelDrafter):
+            drafter.generator = generator
+    vocab = target.config.vocab_size
+    stats = DecodeStats()
+    timer = PhaseTimer(stats, device, profile_sync)
+    t0 = time.perf_counter()
+    eos = _eos_id(target)
+    cache = _new_cache(target)
+
+    # Prefill: the prompt's KV and the first new token.
+    logits = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1).logits[:, -1]
+    tokens = list(prompt)
+    tokens.append(int(_select(logits, cfg, generator).item()))
+    stats.target_forwards += 1
+    drafter.reset(prompt)
+    timer.mark("prefill")
+
+    new, done = _finish(tokens[len(prompt):], cfg, eos)
+    while not done:
+        remaining = cfg.max_new_tokens - (len(tokens) - len(prompt))
+        k = min(cfg.draft_len, remaining - 1) if remaining > 1 else 0
+        if k > 0:
+            draft, draft_probs = drafter.draft(tokens, k)
+        else:
+            draft, draft_probs = torch.empty(0, dtype=torch.long, device=device), None
+        k = draft.shape[0]
+        timer.mark("draft")
+
+        inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft]).view(1, -1)  # [1, k+1]
+        logits = target(input_ids=inp, past_key_values=cache, use_cache=True).logits[0]  # [k+1, V]
+        stats.target_forwards += 1
+        timer.mark("verify")
+
+        if cfg.temperature > 0:
+            if draft_probs is None:  # deterministic drafter: q is one-hot
+                draft_probs = torch.nn.functional.one_hot(draft, vocab).float()
+            result = rejection_accept(logits, draft, draft_probs, cfg.temperature, generator)
+        else:
+            result = greedy_accept(logits, draft)
+        result = result.tolist()  # the step's one device-to-host copy
+        n = result[0]
+        committed = result[1 : n + 2]
+        crop_cache(cache, len(tokens) + n)  # keep the last committed token and the n accepted drafts
+        tokens.extend(committed)
+        drafter.commit(tokens, n)
+        if k > 0:
+            stats.draft_steps += 1
+            stats.drafted += k
+            stats.accepted += n
+            stats.accept_hist[n] += 1
+        done = len(tokens) - len(prompt) >= cfg.max_new_tokens or (cfg.stop_at_eos and eos in committed)
+        timer.mark("accept")
+
+    new, _ = _finish(tokens[len(prompt):], cfg, eos)
+    stats.new_tokens = len(new)
+    stats.wall_s = time.perf_counter() - t0
+    return Generation(new, stats)
+
+
+def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False
+             ) -> Generation:
+    """Dispatch on cfg.method: the AR baseline or speculative decoding with cfg.drafter."""
+    if cfg.method == "ar":
+        return ar_generate(target, prompt, cfg, profile_sync)
+    device = next(target.parameters()).device
+    drafter = make_drafter(cfg, drafter_model, device)
+    return speculative_generate(target, drafter, prompt, cfg, profile_sync=profile_sync)

@@ -1,0 +1,98 @@
+"""Loading targets and drafters from local Hugging Face directories (never from a hub)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).parent / "assets"
+DEMO_DIR = ASSETS / "demo"
+
+
+class ModelLoadError(RuntimeError):
+    """A model directory cannot serve as a target or drafter; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    target: Path
+    drafter: Path | None
+    prompt_dir: Path | None
+
+
+def demo_deployment() -> Deployment:
+    return Deployment("demo", DEMO_DIR / "target", DEMO_DIR / "drafter", DEMO_DIR / "prompts")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ModelLoadError(f"--device {device}: unknown device; use cpu or cuda[:N]")
+    return torch.device(device)
+
+
+def check_model_dir(path: Path, role: str) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{role} model directory {path} does not exist; pass a local Hugging Face "
+                             f"model directory (with config.json and weights)")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{role} model directory {path} has no config.json; it is not a Hugging Face "
+                             f"model directory")
+    return path
+
+
+def load_causal_lm(path: Path, role: str, dtype: str = "bfloat16", device: str = "cpu"):
+    """An `AutoModelForCausalLM` from a local directory, in eval mode, on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_model_dir(path, role)
+    dev = resolve_device(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), local_files_only=True)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{role} model at {path} failed to load: {first}") from e
+    return model.to(dev).eval()
+
+
+def load_tokenizer(path: Path, role: str = "target"):
+    from transformers import AutoTokenizer
+
+    path = check_model_dir(path, role)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{role} at {path} has no loadable tokenizer: {str(e).splitlines()[0]}") from e
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    vocab = tokenizer.get_vocab()
+    return {"size": len(vocab), "eos": tokenizer.eos_token_id, "vocab": vocab}
+
+
+def check_same_tokenizer(target_dir: Path, drafter_dir: Path) -> None:
+    """A drafter must share the target's tokenizer: same vocabulary (token -> id) and EOS."""
+    t = tokenizer_fingerprint(load_tokenizer(target_dir, "target"))
+    d = tokenizer_fingerprint(load_tokenizer(drafter_dir, "drafter"))
+    if t["vocab"] != d["vocab"] or t["eos"] != d["eos"]:
+        diff = sum(1 for k, v in t["vocab"].items() if d["vocab"].get(k) != v)
+        raise ModelLoadError(
+            f"target {target_dir} and drafter {drafter_dir} use different tokenizers "
+            f"(vocab {t['size']} vs {d['size']}, {diff} tokens differ, eos {t['eos']} vs {d['eos']}); "
+            f"a drafter must share the target's tokenizer"
+        )
+
+
+def model_summary(path: Path) -> dict:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}

@@ -1,0 +1,76 @@
+"""Phase profiler: wall time of draft, verify, accept (bookkeeping) and other, per generation."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("prefill", "draft", "verify", "accept", "other")
+
+
+@dataclass
+class DecodeStats:
+    """What one generation did: tokens, target forwards, acceptance, and where its time went."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0  # including the prefill forward
+    draft_steps: int = 0  # verify steps that carried at least one drafted token
+    drafted: int = 0
+    accepted: int = 0
+    accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify step -> count
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward (AR = 1.0)."""
+        return self.new_tokens / max(1, self.target_forwards)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+    def merge(self, other: DecodeStats) -> None:
+        self.new_tokens += other.new_tokens
+        self.target_forwards += other.target_forwards
+        self.draft_steps += other.draft_steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.accept_hist.update(other.accept_hist)
+        for k, v in other.phase_s.items():
+            self.phase_s[k] = self.phase_s.get(k, 0.0) + v
+        self.wall_s += other.wall_s
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "tau": round(self.tau, 4),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            "phase_s": {k: round(v, 6) for k, v in self.phase_s.items()},
+            "wall_s": round(self.wall_s, 6),
+        }
+
+
+class PhaseTimer:
+    """Attributes wall time to phases. On CUDA it synchronises at phase boundaries only when `sync`
+    is set (a profiling run); timing runs leave the device queue alone."""
+
+    def __init__(self, stats: DecodeStats, device: torch.device, sync: bool = False) -> None:
+        self.stats = stats
+        self.sync = sync and device.type == "cuda"
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the previous mark to `phase`."""
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.stats.phase_s[phase] += now - self._t
+        self._t = now

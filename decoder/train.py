@@ -1,0 +1,292 @@
+"""The demo recipe: a byte-level BPE tokenizer, a Llama target and a small Llama draft model.
+
+Everything is seeded and resumable: each stage writes its result atomically and skips itself when the
+result is already there; LM training checkpoints (weights, optimizer, step) every few minutes, and
+the data order is a pure function of (seed, step), so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from decoder.corpus import Document, all_documents, split_of, write_prompt_sets
+
+EOS = "<|endoftext|>"
+
+
+@dataclass
+class LMSpec:
+    """Architecture and optimisation for one LM of the demo set."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    steps: int
+    batch_size: int = 8
+    seq_len: int = 512
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    seed: int = 0
+    prose_upweight: int = 3  # the prose domain is ~4% of the text; repeat it so the model learns it
+    distill_from: str | None = None  # a target dir: train on its soft labels (KL) instead of data only
+    distill_ce_weight: float = 0.1
+    checkpoint_every: int = 50
+
+
+@dataclass
+class DemoRecipe:
+    vocab_size: int = 6144
+    seed: int = 0
+    target: LMSpec = field(
+        default_factory=lambda: LMSpec(
+            name="target", hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
+            num_attention_heads=6, num_key_value_heads=2, steps=2000,
+        )
+    )
+    drafter: LMSpec = field(
+        default_factory=lambda: LMSpec(
+            name="drafter", hidden_size=192, num_hidden_layers=1, intermediate_size=512,
+            num_attention_heads=3, num_key_value_heads=1, steps=1000, lr=3e-3, distill_from="target",
+        )
+    )
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(docs: list[Document], vocab_size: int, out_dir: Path) -> None:
+    """Byte-level BPE on the training split only, saved as a transformers fast tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    train_docs = [d.text for d in docs if split_of(d.id, d.domain) == "train"]
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator(train_docs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
+                            show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=EOS, eos_token=EOS,
+                                  unk_token=EOS, pad_token=EOS)
+    tok.model_max_length = 2048
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out_dir)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenize_corpus(docs: list[Document], tokenizer_dir: Path, cache_dir: Path, prose_upweight: int
+                    ) -> dict[str, np.ndarray]:
+    """Token streams for 'train' and 'val' (documents joined by EOS), cached as .npy."""
+    paths = {s: cache_dir / f"{s}.npy" for s in ("train", "val")}
+    if all(p.exists() for p in paths.values()):
+        return {s: np.load(p) for s, p in paths.items()}
+    tok = load_tokenizer(tokenizer_dir)
+    eos = tok.convert_tokens_to_ids(EOS)
+    streams: dict[str, list[int]] = {"train": [], "val": []}
+    for d in tqdm(docs, desc="tokenize", file=sys.stderr, leave=False):
+        split = split_of(d.id, d.domain)
+        if split == "heldout":
+            continue
+        ids = tok(d.text, add_special_tokens=False)["input_ids"] + [eos]
+        reps = prose_upweight if (d.domain == "prose" and split == "train") else 1
+        for _ in range(reps):
+            streams[split].extend(ids)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for s, ids in streams.items():
+        arr = np.asarray(ids, dtype=np.uint16)
+        np.save(paths[s], arr)
+        out[s] = arr
+    return out
+
+
+# ---------------------------------------------------------------- LM training
+
+
+def _llama_config(spec: LMSpec, vocab_size: int, eos_id: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+
+
+def _batch(data: np.ndarray, spec: LMSpec, step: int, rng_tag: int = 0) -> torch.Tensor:
+    # A pure function of (seed, step): resuming replays exactly the batches an uninterrupted run sees.
+    rng = np.random.default_rng([spec.seed, step, rng_tag])
+    starts = rng.integers(0, len(data) - spec.seq_len - 1, size=spec.batch_size)
+    rows = np.stack([data[s : s + spec.seq_len + 1] for s in starts]).astype(np.int64)
+    return torch.from_numpy(rows)
+
+
+def _lr_at(spec: LMSpec, step: int) -> float:
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cos)
+
+
+@torch.no_grad()
+def evaluate_loss(model, data: np.ndarray, seq_len: int = 512, max_windows: int = 64) -> float:
+    """Mean next-token cross-entropy over non-overlapping validation windows."""
+    model.eval()
+    n = min(max_windows, (len(data) - 1) // seq_len)
+    losses = []
+    for i in range(0, n, 8):
+        rows = [data[j * seq_len : j * seq_len + seq_len + 1] for j in range(i, min(n, i + 8))]
+        x = torch.from_numpy(np.stack(rows).astype(np.int64))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=x[:, :-1]).logits.float()
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).item())
+    model.train()
+    return float(np.mean(losses))
+
+
+def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, work_dir: Path, out_dir: Path,
+             teacher_dir: Path | None = None) -> dict:
+    """Train one LM with bf16 autocast on the CPU, resumable from `work_dir`; writes `out_dir` at the end."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if (out_dir / "recipe.json").exists():
+        return json.loads((out_dir / "recipe.json").read_text())
+    tok = load_tokenizer(tokenizer_dir)
+    eos = tok.convert_tokens_to_ids(EOS)
+    config = _llama_config(spec, len(tok), eos)
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
+    teacher = None
+    if teacher_dir is not None:
+        teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = work_dir / f"{spec.name}.ckpt.pt"
+    step, elapsed, log = 0, 0.0, []
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed, log = state["step"], state["elapsed"], state["log"]
+        print(f"[{spec.name}] resuming at step {step}/{spec.steps}", file=sys.stderr)
+
+    def save_ckpt() -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                    "log": log}, tmp)
+        os.replace(tmp, ckpt)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    model.train()
+    bar = tqdm(total=spec.steps, initial=step, desc=f"train {spec.name} ({n_params / 1e6:.1f}M)",
+               file=sys.stderr, dynamic_ncols=True)
+    t_last = time.time()
+    while step < spec.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(spec, step)
+        batch = _batch(data["train"], spec, step)
+        x, y = batch[:, :-1], batch[:, 1:]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=x).logits
+        logits = logits.float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = ce
+        if teacher is not None:
+            with torch.no_grad():
+                t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), dim=-1)
+            logp = F.log_softmax(logits, dim=-1)
+            kd = F.kl_div(logp.reshape(-1, logp.shape[-1]), t_logp.reshape(-1, t_logp.shape[-1]),
+                          log_target=True, reduction="batchmean")
+            loss = kd + spec.distill_ce_weight * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        if step % 10 == 0:
+            log.append({"step": step, "loss": round(loss.item(), 4), "ce": round(ce.item(), 4)})
+        bar.set_postfix(loss=f"{loss.item():.3f}", ce=f"{ce.item():.3f}")
+        bar.update(1)
+        if step % spec.checkpoint_every == 0 or step == spec.steps:
+            save_ckpt()
+    bar.close()
+
+    val_loss = evaluate_loss(model, data["val"], spec.seq_len)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)  # each model dir is self-contained: loadable with its tokenizer
+    recipe = {
+        "spec": asdict(spec),
+        "parameters": n_params,
+        "tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
+        "train_seconds": round(elapsed, 1),
+        "final_val_loss": round(val_loss, 4),
+        "final_val_ppl": round(math.exp(val_loss), 2),
+        "train_log_tail": log[-20:],
+        "torch": torch.__version__,
+    }
+    _atomic_write_text(out_dir / "recipe.json", json.dumps(recipe, indent=2))
+    print(f"[{spec.name}] done: {n_params / 1e6:.2f}M params, val loss {val_loss:.4f}", file=sys.stderr)
+    return recipe
+
+
+def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
+               only: str | None = None) -> dict:
+    """Run the whole demo recipe: prompts, tokenizer, target, drafter. Each finished stage is kept."""
+    recipe = recipe or DemoRecipe()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    out_root.mkdir(parents=True, exist_ok=True)
+    docs = all_documents()
+    write_prompt_sets(out_root / "prompts")
+    tok_dir = out_root / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        print("[tokenizer] training byte-level BPE", file=sys.stderr)
+        train_tokenizer(docs, recipe.vocab_size, tok_dir)
+    data = tokenize_corpus(docs, tok_dir, work_dir / "tokens", recipe.target.prose_upweight)
+    print(f"[corpus] train {len(data['train']):,} tokens, val {len(data['val']):,} tokens", file=sys.stderr)
+    results = {}
+    if only in (None, "target"):
+        results["target"] = train_lm(recipe.target, data, tok_dir, work_dir, out_root / "target")
+    if only in (None, "drafter"):
+        teacher = out_root / "target" if recipe.drafter.distill_from == "target" else None
+        if teacher is not None and not (teacher / "recipe.json").exists():
+            raise SystemExit("error: the drafter distils from the target; train the target first "
+                             "(specpilot train demo --only target)")
+        results["drafter"] = train_lm(recipe.drafter, data, tok_dir, work_dir, out_root / "drafter", teacher)
+    _atomic_write_text(out_root / "recipe.json", json.dumps(
+        {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target": asdict(recipe.target),
+         "drafter": asdict(recipe.drafter)}, indent=2))
+    return results

@@ -1,0 +1,66 @@
+"""Shared fixtures: the committed demo models (trained by `specpilot train demo`) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
+
+# Tests share two cores with nothing else; more threads than cores only adds spin-wait contention.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def demo_available() -> bool:
+    return all((DEMO_DIR / role / "model.safetensors").exists() for role in ("target", "drafter"))
+
+
+needs_demo = pytest.mark.skipif(not demo_available(), reason="demo models not trained (specpilot train demo)")
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    return load_tokenizer(DEMO_DIR / "target")
+
+
+@pytest.fixture(scope="session")
+def demo_prompts(demo_tokenizer) -> list[list[int]]:
+    rows = [json.loads(line) for line in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines()]
+    prose = [json.loads(line) for line in (DEMO_DIR / "prompts" / "prose.jsonl").read_text().splitlines()]
+    texts = [rows[0]["text"], rows[1]["text"], prose[0]["text"]]
+    # Keep contexts short so the fp32 sweeps stay quick on two cores.
+    return [demo_tokenizer(t, add_special_tokens=False)["input_ids"][-160:] for t in texts]
+
+
+@pytest.fixture(scope="session")
+def demo_fp32():
+    return (load_causal_lm(DEMO_DIR / "target", "target", "float32"),
+            load_causal_lm(DEMO_DIR / "drafter", "drafter", "float32"))
+
+
+@pytest.fixture(scope="session")
+def demo_bf16():
+    return (load_causal_lm(DEMO_DIR / "target", "target", "bfloat16"),
+            load_causal_lm(DEMO_DIR / "drafter", "drafter", "bfloat16"))
+
+
+def tiny_llama(vocab: int = 16, hidden: int = 32, layers: int = 2, seed: int = 0):
+    """A random-init Llama small enough for thousands of sampled generations."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper than the default init so distributions are not near-uniform
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path

@@ -1,0 +1,28 @@
+import pytest
+
+from decoder.config import ConfigError, DecodeConfig
+
+
+def test_toml_round_trip():
+    cfg = DecodeConfig(method="sd", drafter="ngram", draft_len=7, temperature=0.7, seed=3, max_new_tokens=99,
+                       dtype="float32", stop_at_eos=False)
+    back = DecodeConfig.from_toml(cfg.to_toml())
+    assert back == cfg
+    assert "[decode]" in cfg.to_toml()
+
+
+def test_int_accepted_for_float_field():
+    assert DecodeConfig.from_toml("[decode]\ntemperature = 1\n").temperature == 1.0
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[decode]\ndraft_len = 0\n", "draft_len = 0"),
+    ("[decode]\ndrafter = \"eagle\"\n", "drafter = 'eagle'"),
+    ("[decode]\nbogus = 1\n", "unknown key(s) bogus"),
+    ("[decode]\ndraft_len = \"4\"\n", "draft_len = '4' should be of type int"),
+    ("[decode]\ntemperature = -1.0\n", "temperature = -1.0"),
+])
+def test_bad_values_name_key_and_value(text, needle):
+    with pytest.raises(ConfigError) as e:
+        DecodeConfig.from_toml(text)
+    assert needle in str(e.value)

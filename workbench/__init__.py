@@ -1,0 +1,1 @@
+"""The workbench: CLI, workspaces, harness, token forcing, agents and the TUI."""

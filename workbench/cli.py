@@ -1,0 +1,124 @@
+"""`specpilot`: engine commands for scripts and CI.
+
+Errors a user can cause print one line on stderr (`error: ...`) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from decoder.bench import ALL_METHODS, BenchError, bench_deployment, format_table, run_bench
+    from decoder.models import ModelLoadError, demo_deployment
+
+    try:
+        if args.target:
+            target, drafter = Path(args.target), Path(args.drafter) if args.drafter else None
+            prompt_dir = demo_deployment().prompt_dir  # prompt sets are text: any tokenizer can use them
+            deployment = args.target
+        else:
+            target, drafter, prompt_dir = bench_deployment(args.deployment)
+            deployment = args.deployment
+        methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ALL_METHODS
+        if drafter is None and not args.methods:
+            methods = tuple(m for m in methods if m not in ("sd-draft-model", "hf-assisted-draft-model"))
+        report = run_bench(
+            target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
+            methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, dtype=args.dtype,
+            device=args.device, limit=args.limit, progress=not args.quiet,
+        )
+    except (BenchError, ModelLoadError, ValueError) as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    if args.what != "demo":
+        return _fail(f"train {args.what}: unknown; available: demo")
+    from decoder.models import DEMO_DIR
+    from decoder.train import train_demo
+
+    out = Path(args.out) if args.out else DEMO_DIR
+    work = Path(args.work_dir) if args.work_dir else Path("build/train-demo")
+    if args.force:
+        import shutil
+
+        for sub in ("target", "drafter", "tokenizer"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+    results = train_demo(out, work, only=args.only)
+    print(json.dumps({k: {"parameters": v["parameters"], "final_val_loss": v["final_val_loss"]}
+                      for k, v in results.items()}))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not a usage dump
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specpilot", description="SpecPilot engine commands.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    b = sub.add_parser("bench", help="benchmark AR, our SD and Hugging Face generate on the same prompts")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--deployment", default="demo", help="a named deployment (default: demo)")
+    src.add_argument("--target", help="a local Hugging Face model directory to use as target")
+    b.add_argument("--drafter", help="draft model directory (with --target)")
+    b.add_argument("--prompts", default="code", help="code, prose, or a .jsonl file of {id, text} rows")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    b.add_argument("--draft-len", type=_positive_int, default=4, help="draft model tokens per step (k)")
+    b.add_argument("--ngram-draft-len", type=_positive_int, default=8, help="n-gram drafter tokens per step")
+    b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
+    b.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    b.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    b.add_argument("--out", help="also write the JSON report to this file")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_cmd_bench)
+
+    t = sub.add_parser("train", help="train models by the project's own recipes")
+    t.add_argument("what", help="demo: tokenizer, target and draft model of the embedded demo")
+    t.add_argument("--out", help="output root (default: the package's demo assets)")
+    t.add_argument("--work-dir", help="checkpoints and token cache (default: build/train-demo)")
+    t.add_argument("--only", choices=("target", "drafter"), help="run one stage")
+    t.add_argument("--force", action="store_true", help="retrain even if the outputs exist")
+    t.set_defaults(func=_cmd_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
