@@ -286,6 +286,14 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
             raise SystemExit("error: the drafter distils from the target; train the target first "
                              "(specpilot train demo --only target)")
         results["drafter"] = train_lm(recipe.drafter, data, tok_dir, work_dir, out_root / "drafter", teacher)
+    if only is None or only == "drafter":
+        from decoder.quality import continuation_quality
+
+        quality = continuation_quality(out_root / "target", out_root / "prompts" / "code.jsonl")
+        _atomic_write_text(out_root / "quality.json", json.dumps(quality, indent=2))
+        print(f"[quality] mean repeated-4-gram fraction over held-out code continuations: "
+              f"{quality['mean_repeated_4gram_fraction']:.3f} (bar: < 0.5)", file=sys.stderr)
+        results["quality"] = quality
     _atomic_write_text(out_root / "recipe.json", json.dumps(
         {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target": asdict(recipe.target),
          "drafter": asdict(recipe.drafter)}, indent=2))

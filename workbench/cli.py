@@ -73,8 +73,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         for sub in ("target", "drafter", "tokenizer"):
             shutil.rmtree(out / sub, ignore_errors=True)
     results = train_demo(out, work, only=args.only)
-    print(json.dumps({k: {"parameters": v["parameters"], "final_val_loss": v["final_val_loss"]}
-                      for k, v in results.items()}))
+    summary = {k: {"parameters": v["parameters"], "final_val_loss": v["final_val_loss"]}
+               for k, v in results.items() if k != "quality"}
+    if "quality" in results:
+        summary["mean_repeated_4gram_fraction"] = results["quality"]["mean_repeated_4gram_fraction"]
+    print(json.dumps(summary))
     return 0
 
 
