@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)
 
+    from costmodel.cli import add_parser as add_costmodel_parsers
+
+    add_costmodel_parsers(sub)  # `costmodel` and `profile`
+
     t = sub.add_parser("train", help="train models by the project's own recipes")
     t.add_argument("what", help="demo: tokenizer, target and draft model of the embedded demo")
     t.add_argument("--out", help="output root (default: the package's demo assets)")

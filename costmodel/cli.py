@@ -1,0 +1,229 @@
+"""`specpilot costmodel` and `specpilot profile hardware`.
+
+Wire both into the main parser with `add_parser(subparsers)`; each sets `func(args) -> int`.
+Errors a user can meet are ValueErrors with a one-line message; the handlers print them as
+`error: ...` on stderr and return 2, like the rest of the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from costmodel.deployment import CostDeployment
+
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be 0 or more")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{v} must be positive")
+    return v
+
+
+def add_parser(subparsers) -> None:
+    """Add the `costmodel` and `profile` subcommands to an argparse subparsers object."""
+    from costmodel.model_profile import WEIGHT_FORMATS
+    from costmodel.step import DRAFTER_KINDS
+
+    c = subparsers.add_parser("costmodel", help="roofline ceilings and a ranked gap breakdown for a deployment")
+    c.add_argument("--deployment", help="a named deployment: demo (its models on this machine's cpu-local profile)")
+    c.add_argument("--hardware", help="h100-sxm, h200, b200, a100-80gb, l40s, rtx-4090, or cpu-local (measured)")
+    c.add_argument("--target-config", help="qwen3-8b, llama-3.1-8b, qwen3-30b-a3b, qwen3-next-80b-a3b, or a "
+                                           "config.json / model directory")
+    c.add_argument("--drafter-config", help="the drafter's config (name, config.json or model directory)")
+    c.add_argument("--drafter-kind", choices=DRAFTER_KINDS,
+                   help="model: k one-token forwards; block: one forward drafts k; ngram: host lookup "
+                        "(default: model with --drafter-config, else ngram)")
+    c.add_argument("--drafter-layers", type=_positive_int,
+                   help="keep only the drafter config's first N layers (a block drafter shaped like its target)")
+    c.add_argument("--draft-len", type=_positive_int, help="drafted tokens per step, k (default 4)")
+    c.add_argument("--tau", type=float, help="tokens per step, mean accepted + 1 (default: the bench's, or oracle)")
+    c.add_argument("--batch", type=_positive_int, help="requests per step, B (default 1)")
+    c.add_argument("--context", type=_nonnegative_int, help="tokens already in each request's KV cache")
+    c.add_argument("--format", choices=tuple(WEIGHT_FORMATS), help="weight format (default bf16)")
+    c.add_argument("--bench", help="a `specpilot bench --json` report: split its measured time per token")
+    c.add_argument("--method", default="sd-draft-model", help="which method of --bench to break down")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    c.add_argument("--plot", help="also write a PNG chart of the gaps against the ceiling")
+    c.set_defaults(func=cmd_costmodel)
+
+    p = subparsers.add_parser("profile", help="measure this machine: `profile hardware [--model DIR]`")
+    p.add_argument("what", help="hardware: bandwidth, matmul throughput and per-forward overhead of this machine")
+    p.add_argument("--model", help="a local Hugging Face model directory: time its verify forwards and fit "
+                                   "the overheads to them (default: the demo target, when trained)")
+    p.add_argument("--no-model", action="store_true", help="measure the machine only, no model sweep")
+    p.add_argument("--seconds", type=_positive_float, default=10.0, help="time budget (default 10)")
+    p.add_argument("--context", type=_positive_int, default=256, help="KV context of the model sweep")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--name", default="cpu-local", help="profile name (default cpu-local)")
+    p.add_argument("--out", help="write the profile to this file instead of the data dir")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(func=cmd_profile)
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _read_bench(path: str, method: str) -> tuple[dict, dict, float | None]:
+    """(the report, the method's entry, AR ms per token or None) from a bench JSON file."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--bench {path}: cannot read it ({e.strerror}); pass the file `specpilot bench --json "
+                         f"--out FILE` wrote") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--bench {path}: not valid JSON ({e.msg}); pass the output of `specpilot bench --json`") \
+            from e
+    methods = {m.get("name"): m for m in report.get("methods", []) if isinstance(m, dict)} \
+        if isinstance(report, dict) else {}
+    if method not in methods:
+        raise ValueError(f"--method {method}: not in {path}; it has {', '.join(map(str, methods)) or 'no methods'}")
+    ar = methods.get("ar")
+    ar_ms = 1000.0 / ar["tokens_per_s"] if ar and ar.get("tokens_per_s") else None
+    return report, methods[method], ar_ms
+
+
+def build_deployment(args: argparse.Namespace, bench_entry: dict | None = None,
+                     bench_dtype: str | None = None) -> CostDeployment:
+    """The CostDeployment the flags describe (the demo's defaults, then each explicit flag)."""
+    from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment
+    from costmodel.hardware import get_profile
+    from costmodel.model_profile import load_model_profile
+    from costmodel.step import Drafter
+
+    fmt = args.format or {"bfloat16": "bf16", "float32": "fp32"}.get(bench_dtype or "", "bf16")
+    k = args.draft_len or (bench_entry or {}).get("draft_len") or DEMO_DRAFT_LEN
+    if args.deployment:
+        if args.deployment != "demo":
+            raise ValueError(f"--deployment {args.deployment}: unknown; use demo, or --hardware NAME --target-config "
+                             f"NAME")
+        base = demo_deployment(args.hardware or "cpu-local", k, args.batch or 1, DEMO_CONTEXT, fmt)
+        hardware, target, drafter = base.hardware, base.target, base.drafter
+        context = base.context if args.context is None else args.context
+        name = "demo"
+    else:
+        if not args.hardware or not args.target_config:
+            raise ValueError("pass --deployment demo, or both --hardware NAME and --target-config NAME|PATH "
+                             "(e.g. --hardware h200 --target-config qwen3-8b)")
+        hardware, target, drafter = get_profile(args.hardware), load_model_profile(args.target_config), None
+        context = 1024 if args.context is None else args.context
+        name = f"{target.name} on {hardware.name}"
+    if args.target_config and args.deployment:
+        target = load_model_profile(args.target_config)
+    if args.drafter_config:
+        kind = args.drafter_kind or "model"
+        if kind in ("ngram", "none"):
+            raise ValueError(f"--drafter-kind {kind} takes no --drafter-config; use model or block, or drop the "
+                             f"config")
+        drafter = Drafter(kind, load_model_profile(args.drafter_config, args.drafter_layers))
+    elif args.drafter_layers:
+        raise ValueError("--drafter-layers needs --drafter-config (the config whose first layers the drafter keeps)")
+    elif args.drafter_kind:
+        drafter = Drafter.ngram() if args.drafter_kind == "ngram" else Drafter(args.drafter_kind)
+    if bench_entry is not None and bench_entry.get("name") == "sd-ngram":
+        drafter = Drafter.ngram()  # the method measured, whatever the deployment's default drafter
+    if drafter is None:
+        drafter = Drafter.ngram()
+    return CostDeployment(name, hardware, target, drafter, k, args.batch or 1, context, fmt)
+
+
+def run_costmodel(args: argparse.Namespace) -> dict:
+    """Everything `specpilot costmodel` does but printing: returns the JSON report."""
+    from costmodel.report import build_report, plot_gaps
+
+    entry, ar_ms, num_prompts, dtype = None, None, None, None
+    if args.bench:
+        bench, entry, ar_ms = _read_bench(args.bench, args.method)
+        num_prompts, dtype = bench.get("num_prompts"), bench.get("dtype")
+        if args.batch and args.batch != 1:
+            raise ValueError(f"--batch {args.batch} with --bench: the bench runs one request at a time; drop --batch")
+    dep = build_deployment(args, entry, dtype)
+    report = build_report(dep, args.tau, entry, ar_ms, num_prompts)
+    if args.plot:
+        report["plot"] = str(plot_gaps(report, args.plot))
+    return report
+
+
+def cmd_costmodel(args: argparse.Namespace) -> int:
+    """Handler of `specpilot costmodel`: table (or --json) on stdout; 2 on a user error."""
+    from costmodel.report import format_table
+
+    try:
+        report = run_costmodel(args)
+    except ValueError as e:
+        return _fail(str(e))
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _demo_target() -> str | None:
+    """The demo target's directory when it is trained (the model `profile hardware` validates on)."""
+    from costmodel.deployment import demo_dir
+
+    try:
+        target = demo_dir() / "target"
+    except ValueError:
+        return None
+    return str(target) if (target / "model.safetensors").is_file() else None
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Handler of `specpilot profile hardware`: measures, stores, prints a summary; 2 on a user error."""
+    from costmodel.hardware import measure_cpu_local, save_profile
+
+    if args.what != "hardware":
+        return _fail(f"profile {args.what}: unknown; available: hardware")
+    try:
+        model = None if args.no_model else args.model or _demo_target()
+        if model and not (Path(model) / "config.json").is_file():
+            raise ValueError(f"--model {model}: no config.json there; pass a local Hugging Face model directory")
+        if model:
+            print(f"measuring this machine and the verify step of {model} (~{args.seconds:g} s)", file=sys.stderr)
+        profile = measure_cpu_local(model, args.seconds, args.context, args.dtype, name=args.name)
+        path = save_profile(profile, args.out)
+    except ValueError as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(profile.to_dict()))
+        return 0
+    print(f"{profile.name}: copy bandwidth {profile.mem_bandwidth_GBps:.1f} GB/s, matmul bf16 "
+          f"{profile.achieved_bf16_tflops * 1e3:.1f} GFLOPS, fp32 {profile.achieved_fp32_tflops * 1e3:.1f} GFLOPS, "
+          f"overhead {profile.fixed_overhead_ms:.3f} ms + {profile.per_layer_overhead_ms:.3f} ms/layer "
+          f"({profile.measured['threads']} threads)")
+    val = profile.measured.get("validation")
+    if val:
+        print(f"verify sweep on {val['model']} (context {val['context']}): fitted bandwidth "
+              f"{profile.achieved_bandwidth_GBps:.1f} GB/s; median abs rel error {val['median_abs_rel_error']:.1%}")
+    print(f"saved {path}")
+    return 0
