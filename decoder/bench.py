@@ -215,7 +215,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def run_bench(
     target_dir: Path, drafter_dir: Path | None, prompts_spec: str, max_new_tokens: int,
     deployment: str = "custom", prompt_dir: Path | None = None, methods: tuple[str, ...] = ALL_METHODS,
-    draft_len: int = 4, ngram_draft_len: int = 8, dtype: str = "bfloat16", device: str = "cpu",
+    draft_len: int = 4, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
+    dtype: str = "bfloat16", device: str = "cpu",
     limit: int | None = None, noise_prompts: int = 4, progress: bool = True,
 ) -> dict:
     """Run every method on every prompt; return the JSON report (see the issue's contract)."""
@@ -240,7 +241,7 @@ def run_bench(
     drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if needs_drafter else None
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
-                       dtype=dtype, device=device)
+                       ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype, device=device)
     bench = Bench(target, drafter, eos, cfg, ngram_draft_len)
     runners = bench.methods(methods)
     encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -322,6 +323,8 @@ def run_bench(
         "device": device,
         "target": str(target_dir),
         "drafter": str(drafter_dir) if drafter_dir else None,
+        "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
+                   "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens},
         "torch": torch.__version__,
     }
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Directories of tests and generated tables: unrepresentative code that would dominate a tiny corpus.
-_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "pydoc_data"}
+_TEST_PARTS = {"test", "tests", "idle_test"}
+_SKIP_PARTS = {"site-packages", "dist-packages", "__pycache__", "pydoc_data"}
 _SKIP_PREFIXES = ("encodings/cp", "encodings/mac_", "encodings/iso8859_", "encodings/koi8_")
 
 
@@ -50,18 +51,26 @@ def split_of(key: str, domain: str = "code") -> str:
     return "train"
 
 
-def code_documents(root: Path | None = None) -> list[Document]:
+def code_documents(root: Path | None = None, include_tests: bool = False) -> list[Document]:
+    """Standard-library modules; with `include_tests`, also its test suites (more code, odder style),
+    minus files of generated data (huge files or very long lines)."""
     root = root or stdlib_dir()
     docs = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if _SKIP_PARTS.intersection(path.relative_to(root).parts) or rel.startswith(_SKIP_PREFIXES):
+        parts = set(path.relative_to(root).parts)
+        if _SKIP_PARTS & parts or rel.startswith(_SKIP_PREFIXES):
+            continue
+        is_test = bool(_TEST_PARTS & parts)
+        if is_test and not include_tests:
             continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if len(text) < 200:
+            continue
+        if is_test and (len(text) > 200_000 or max(map(len, text.splitlines()), default=0) > 500):
             continue
         docs.append(Document(id=f"stdlib/{rel}", domain="code", text=text))
     return docs
@@ -88,8 +97,8 @@ def prose_documents(chunk_chars: int = 3000) -> list[Document]:
     return docs
 
 
-def all_documents() -> list[Document]:
-    return code_documents() + prose_documents()
+def all_documents(include_tests: bool = False) -> list[Document]:
+    return code_documents(include_tests=include_tests) + prose_documents()
 
 
 def make_prompt(text: str, target_chars: int = 1000, start_fraction: float = 0.2) -> str:

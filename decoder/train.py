@@ -47,22 +47,33 @@ class LMSpec:
     distill_from: str | None = None  # a target dir: train on its soft labels (KL) instead of data only
     distill_ce_weight: float = 0.1
     checkpoint_every: int = 50
+    init_from: str | None = None  # a previous stage's name: start from its final weights
+    include_tests: bool = False  # also train on the standard library's test suites
+
+
+_TARGET_ARCH = dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024, num_attention_heads=6,
+                    num_key_value_heads=2)
 
 
 @dataclass
 class DemoRecipe:
+    """Two target stages (the library's modules, then continued on modules + test suites: three times
+    the code, which cut greedy repetition) and a drafter distilled from the final target."""
+
     vocab_size: int = 6144
     seed: int = 0
+    target_base: LMSpec = field(default_factory=lambda: LMSpec(name="target-base", steps=2000, **_TARGET_ARCH))
     target: LMSpec = field(
         default_factory=lambda: LMSpec(
-            name="target", hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
-            num_attention_heads=6, num_key_value_heads=2, steps=2000,
+            name="target", steps=800, lr=1e-3, warmup_steps=20, init_from="target-base", include_tests=True,
+            **_TARGET_ARCH,
         )
     )
     drafter: LMSpec = field(
         default_factory=lambda: LMSpec(
             name="drafter", hidden_size=192, num_hidden_layers=1, intermediate_size=512,
             num_attention_heads=3, num_key_value_heads=1, steps=1000, lr=3e-3, distill_from="target",
+            include_tests=True,
         )
     )
 
@@ -190,6 +201,12 @@ def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, wor
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt = work_dir / f"{spec.name}.ckpt.pt"
     step, elapsed, log = 0, 0.0, []
+    if not ckpt.exists() and spec.init_from:
+        init = work_dir / f"{spec.init_from}.ckpt.pt"
+        if not init.exists():
+            raise SystemExit(f"error: stage {spec.name} starts from {spec.init_from}, whose checkpoint {init} "
+                             f"is missing; run that stage first")
+        model.load_state_dict(torch.load(init, weights_only=False)["model"])
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         model.load_state_dict(state["model"])
@@ -274,18 +291,32 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
     tok_dir = out_root / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         print("[tokenizer] training byte-level BPE", file=sys.stderr)
-        train_tokenizer(docs, recipe.vocab_size, tok_dir)
-    data = tokenize_corpus(docs, tok_dir, work_dir / "tokens", recipe.target.prose_upweight)
-    print(f"[corpus] train {len(data['train']):,} tokens, val {len(data['val']):,} tokens", file=sys.stderr)
+        train_tokenizer(docs, recipe.vocab_size, tok_dir)  # the tokenizer never sees the test suites
+    corpora: dict[bool, dict[str, np.ndarray]] = {}
+
+    def data_for(spec: LMSpec) -> dict[str, np.ndarray]:
+        if spec.include_tests not in corpora:
+            d = all_documents(include_tests=spec.include_tests)
+            cache = work_dir / ("tokens-with-tests" if spec.include_tests else "tokens")
+            corpora[spec.include_tests] = tokenize_corpus(d, tok_dir, cache, spec.prose_upweight)
+            print(f"[corpus{' + tests' if spec.include_tests else ''}] train "
+                  f"{len(corpora[spec.include_tests]['train']):,} tokens, val "
+                  f"{len(corpora[spec.include_tests]['val']):,} tokens", file=sys.stderr)
+        return corpora[spec.include_tests]
+
     results = {}
     if only in (None, "target"):
-        results["target"] = train_lm(recipe.target, data, tok_dir, work_dir, out_root / "target")
+        # The base stage's model dir stays in the work dir: only the final target is shipped.
+        if not (out_root / "target" / "recipe.json").exists():
+            train_lm(recipe.target_base, data_for(recipe.target_base), tok_dir, work_dir, work_dir / "target-base")
+        results["target"] = train_lm(recipe.target, data_for(recipe.target), tok_dir, work_dir, out_root / "target")
     if only in (None, "drafter"):
         teacher = out_root / "target" if recipe.drafter.distill_from == "target" else None
         if teacher is not None and not (teacher / "recipe.json").exists():
             raise SystemExit("error: the drafter distils from the target; train the target first "
                              "(specpilot train demo --only target)")
-        results["drafter"] = train_lm(recipe.drafter, data, tok_dir, work_dir, out_root / "drafter", teacher)
+        results["drafter"] = train_lm(recipe.drafter, data_for(recipe.drafter), tok_dir, work_dir,
+                                      out_root / "drafter", teacher)
     if only is None or only == "drafter":
         from decoder.quality import continuation_quality
 
@@ -295,6 +326,6 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
               f"{quality['mean_repeated_4gram_fraction']:.3f} (bar: < 0.5)", file=sys.stderr)
         results["quality"] = quality
     _atomic_write_text(out_root / "recipe.json", json.dumps(
-        {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target": asdict(recipe.target),
-         "drafter": asdict(recipe.drafter)}, indent=2))
+        {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target_base": asdict(recipe.target_base),
+         "target": asdict(recipe.target), "drafter": asdict(recipe.drafter)}, indent=2))
     return results

@@ -45,7 +45,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             methods = tuple(m for m in methods if m not in ("sd-draft-model", "hf-assisted-draft-model"))
         report = run_bench(
             target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
-            methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, dtype=args.dtype,
+            methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max,
+            ngram_min=args.ngram_min, dtype=args.dtype,
             device=args.device, limit=args.limit, progress=not args.quiet,
         )
     except (BenchError, ModelLoadError, ValueError) as e:
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)
     b.add_argument("--draft-len", type=_positive_int, default=4, help="draft model tokens per step (k)")
     b.add_argument("--ngram-draft-len", type=_positive_int, default=8, help="n-gram drafter tokens per step")
+    b.add_argument("--ngram-max", type=_positive_int, default=4, help="longest suffix the n-gram drafter matches")
+    b.add_argument("--ngram-min", type=_positive_int, default=1, help="shortest suffix it accepts")
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
     b.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
