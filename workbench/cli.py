@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_costmodel_parsers(sub)  # `costmodel` and `profile`
 
+    from workbench.memory_cli import add_parser as add_memory_parser
+
+    add_memory_parser(sub)  # `memory list|show|search|accept|reject`
+
     t = sub.add_parser("train", help="train models by the project's own recipes")
     t.add_argument("what", help="demo: tokenizer, target and draft model of the embedded demo")
     t.add_argument("--out", help="output root (default: the package's demo assets)")

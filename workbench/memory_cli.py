@@ -1,0 +1,214 @@
+"""`specpilot memory list|show|search|accept|reject`: the mechanisms in a memory, for scripts and review.
+
+Wire into the main parser with `add_parser(subparsers)`; each subcommand sets `func(args) -> int`.
+Runs on its own too: `python -m workbench.memory_cli list --db PATH` is `specpilot memory list --db PATH`.
+
+The database is `--db PATH`, else `./.specpilot/memory.db` when the current directory is a workspace,
+else the global memory (`$SPECPILOT_DATA_DIR/memory.db`). Errors a user can meet (no such id, no
+database) print one line `error: ...` on stderr and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from store import Mechanism, Memory
+
+EXIT_USAGE = 2
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def default_db_path() -> Path:
+    """This directory's workspace memory if there is one, else the global memory."""
+    from store import global_memory_path, workspace_memory_path
+
+    local = workspace_memory_path(Path.cwd())
+    return local if local.exists() else global_memory_path()
+
+
+def _open(args: argparse.Namespace) -> Memory:
+    from store import Memory
+
+    # Reading commands must not leave an empty database behind a mistyped path: never create here.
+    return Memory(Path(args.db) if args.db else default_db_path(), create=False)
+
+
+def _best_speedup(m: Mechanism) -> float | None:
+    speedups = [e["speedup"] for e in m.evidence if isinstance(e.get("speedup"), int | float)]
+    return max(speedups) if speedups else None
+
+
+def _table(mechanisms: list[Mechanism]) -> str:
+    if not mechanisms:
+        return "(no mechanisms)"
+    rows = [("id", "status", "family", "best", "name", "summary")]
+    for m in mechanisms:
+        best = _best_speedup(m)
+        summary = m.summary if len(m.summary) <= 60 else m.summary[:59] + "…"
+        rows.append((str(m.id), m.status, m.gap_family, f"{best:.2f}x" if best is not None else "-", m.name, summary))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5] for r in rows)
+
+
+def _detail(m: Mechanism) -> str:
+    status = m.status + (f" ({m.reviewer_note})" if m.reviewer_note else "")
+    lines = [f"mechanism {m.id}: {m.name}", f"  status:   {status}", f"  family:   {m.gap_family}",
+             f"  uid:      {m.uid}", f"  created:  {m.created_at}", f"  updated:  {m.updated_at}",
+             f"  summary:  {m.summary}"]
+    if m.notes:
+        lines += ["  notes:"] + [f"    {line}" for line in m.notes.splitlines()]
+    lines.append("  evidence:" if m.evidence else "  evidence: none")
+    for e in m.evidence:
+        speedup = e.get("speedup")
+        forcing = e.get("forcing") or {}
+        rate = forcing.get("match_rate") if isinstance(forcing, dict) else None
+        lines.append(f"    {e['deployment']}: speedup {speedup if speedup is not None else '-'}"
+                     + (f", forcing match rate {rate}" if rate is not None else ""))
+    lines.append(f"  patch:    {len(m.patch.splitlines())} lines" if m.patch else "  patch:    none")
+    return "\n".join(lines)
+
+
+def _emit(args: argparse.Namespace, payload: object, text: str) -> None:
+    print(json.dumps(payload, ensure_ascii=False) if args.json else text)
+
+
+def _run(args: argparse.Namespace, body) -> int:
+    from store import StoreError
+
+    try:
+        mem = _open(args)
+    except StoreError as e:
+        return _fail(str(e))
+    try:
+        return body(mem)
+    except (StoreError, ValueError) as e:  # NotFound is a StoreError
+        return _fail(str(e))
+    finally:
+        mem.close()
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from store import to_dict
+
+    def body(mem: Memory) -> int:
+        ms = mem.list_mechanisms(status=args.status, gap_family=args.family)
+        _emit(args, [to_dict(m) for m in ms], _table(ms))
+        return 0
+
+    return _run(args, body)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from store import to_dict
+
+    def body(mem: Memory) -> int:
+        m = mem.get_mechanism(args.id)
+        text = _detail(m) + (f"\n\n{m.patch}" if args.patch and m.patch else "")
+        _emit(args, to_dict(m), text)
+        return 0
+
+    return _run(args, body)
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from store import to_dict
+
+    def body(mem: Memory) -> int:
+        ms = mem.search_mechanisms(args.query, status=args.status, limit=args.limit)
+        _emit(args, [to_dict(m) for m in ms], _table(ms))
+        return 0
+
+    return _run(args, body)
+
+
+def _set_status(args: argparse.Namespace, status: str) -> int:
+    from store import to_dict
+
+    if not args.note.strip():
+        return _fail(f"{status} needs a reviewer note: --note TEXT saying why")
+
+    def body(mem: Memory) -> int:
+        m = mem.set_mechanism_status(args.id, status, args.note.strip())
+        _emit(args, to_dict(m), f"mechanism {m.id} ({m.name}) is now {m.status}: {m.reviewer_note}")
+        return 0
+
+    return _run(args, body)
+
+
+def _cmd_accept(args: argparse.Namespace) -> int:
+    return _set_status(args, "accepted")
+
+
+def _cmd_reject(args: argparse.Namespace) -> int:
+    return _set_status(args, "rejected")
+
+
+def _mechanism_id(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mechanism id (an integer; see `memory list`)") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not a mechanism id (ids start at 1)")
+    return v
+
+
+def add_parser(subparsers) -> None:
+    """Add the `memory` command and its subcommands to an argparse subparsers object."""
+    from store.migrations import GAP_FAMILIES, MECHANISM_STATUSES
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", help="memory database (default: ./.specpilot/memory.db if present, else the global "
+                                     "memory in $SPECPILOT_DATA_DIR or ~/.local/share/specpilot)")
+    common.add_argument("--json", action="store_true", help="print JSON on stdout")
+
+    m = subparsers.add_parser("memory", help="mechanisms kept in memory: list, show, search, accept, reject")
+    sub = m.add_subparsers(dest="memory_command", required=True, metavar="{list,show,search,accept,reject}")
+
+    p = sub.add_parser("list", parents=[common], help="mechanisms, oldest first")
+    p.add_argument("--status", choices=MECHANISM_STATUSES)
+    p.add_argument("--family", choices=GAP_FAMILIES, help="gap family")
+    p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("show", parents=[common], help="one mechanism with its evidence")
+    p.add_argument("id", type=_mechanism_id)
+    p.add_argument("--patch", action="store_true", help="also print the patch")
+    p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser("search", parents=[common], help="full-text search on name, summary and notes")
+    p.add_argument("query")
+    p.add_argument("--status", choices=MECHANISM_STATUSES)
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(func=_cmd_search)
+
+    for name, func, verb in (("accept", _cmd_accept, "accept"), ("reject", _cmd_reject, "reject")):
+        p = sub.add_parser(name, parents=[common], help=f"{verb} a mechanism, with the reviewer's note")
+        p.add_argument("id", type=_mechanism_id)
+        p.add_argument("--note", required=True, help="why (kept with the mechanism and in the ledger)")
+        p.set_defaults(func=func)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not a usage dump
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `specpilot memory ARGS` on its own (ARGS start with the subcommand)."""
+    parser = _Parser(prog="specpilot")
+    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    args = parser.parse_args(["memory", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
