@@ -215,7 +215,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def run_bench(
     target_dir: Path, drafter_dir: Path | None, prompts_spec: str, max_new_tokens: int,
     deployment: str = "custom", prompt_dir: Path | None = None, methods: tuple[str, ...] = ALL_METHODS,
-    draft_len: int = 4, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
+    draft_len: int = 3, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
     dtype: str = "bfloat16", device: str = "cpu",
     limit: int | None = None, noise_prompts: int = 4, progress: bool = True,
 ) -> dict:
@@ -271,7 +271,8 @@ def run_bench(
 
     reference = results[REFERENCE].outputs
     k_widths = tuple(sorted({draft_len + 1, ngram_draft_len + 1}))
-    floor = noise_floor(target, [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference, strict=True)],
+    pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference[:noise_prompts], strict=True)]
+    floor = noise_floor(target, pairs,
                         k_widths)
     ar = results.get("ar")
     hf = results[REFERENCE]

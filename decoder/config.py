@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 class DecodeConfig:
     method: str = "sd"  # "ar" (target alone) or "sd" (chain speculative decoding)
     drafter: str = "draft-model"  # "draft-model" or "ngram" (prompt lookup)
-    draft_len: int = 4  # k: tokens drafted per step (an n-gram match may give fewer)
+    draft_len: int = 3  # k: tokens drafted per step (an n-gram match may give fewer)
     ngram_max: int = 4  # longest suffix the n-gram drafter tries to match
     ngram_min: int = 1  # shortest suffix it accepts as a match
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless rejection sampling

@@ -51,29 +51,28 @@ class LMSpec:
     include_tests: bool = False  # also train on the standard library's test suites
 
 
-_TARGET_ARCH = dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024, num_attention_heads=6,
-                    num_key_value_heads=2)
-
-
 @dataclass
 class DemoRecipe:
-    """Two target stages (the library's modules, then continued on modules + test suites: three times
-    the code, which cut greedy repetition) and a drafter distilled from the final target."""
+    """A target trained on the library's modules and docs, and a drafter distilled from it.
+
+    Tried and dropped: continuing the target for 800 steps on modules + the library's test suites
+    (2.7x the tokens) lowered validation loss but raised the repeated-4-gram fraction of greedy code
+    continuations from 0.49 to 0.58: test code is repetitive and the model learned to loop.
+    `init_from` and `include_tests` stay available for such stages.
+    """
 
     vocab_size: int = 6144
     seed: int = 0
-    target_base: LMSpec = field(default_factory=lambda: LMSpec(name="target-base", steps=2000, **_TARGET_ARCH))
     target: LMSpec = field(
         default_factory=lambda: LMSpec(
-            name="target", steps=800, lr=1e-3, warmup_steps=20, init_from="target-base", include_tests=True,
-            **_TARGET_ARCH,
+            name="target", hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
+            num_attention_heads=6, num_key_value_heads=2, steps=2000,
         )
     )
     drafter: LMSpec = field(
         default_factory=lambda: LMSpec(
             name="drafter", hidden_size=192, num_hidden_layers=1, intermediate_size=512,
             num_attention_heads=3, num_key_value_heads=1, steps=1000, lr=3e-3, distill_from="target",
-            include_tests=True,
         )
     )
 
@@ -306,9 +305,6 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
 
     results = {}
     if only in (None, "target"):
-        # The base stage's model dir stays in the work dir: only the final target is shipped.
-        if not (out_root / "target" / "recipe.json").exists():
-            train_lm(recipe.target_base, data_for(recipe.target_base), tok_dir, work_dir, work_dir / "target-base")
         results["target"] = train_lm(recipe.target, data_for(recipe.target), tok_dir, work_dir, out_root / "target")
     if only in (None, "drafter"):
         teacher = out_root / "target" if recipe.drafter.distill_from == "target" else None
@@ -326,6 +322,6 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
               f"{quality['mean_repeated_4gram_fraction']:.3f} (bar: < 0.5)", file=sys.stderr)
         results["quality"] = quality
     _atomic_write_text(out_root / "recipe.json", json.dumps(
-        {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target_base": asdict(recipe.target_base),
-         "target": asdict(recipe.target), "drafter": asdict(recipe.drafter)}, indent=2))
+        {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target": asdict(recipe.target),
+         "drafter": asdict(recipe.drafter)}, indent=2))
     return results

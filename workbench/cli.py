@@ -28,9 +28,21 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _quiet_transformers() -> None:
+    """Our own progress bar and table say what happens; transformers' load bars and generate notices
+    (about flags we pass on purpose) would bury them."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from decoder.bench import ALL_METHODS, BenchError, bench_deployment, format_table, run_bench
+    from decoder.config import ConfigError
     from decoder.models import ModelLoadError, demo_deployment
+
+    _quiet_transformers()
 
     try:
         if args.target:
@@ -49,7 +61,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             ngram_min=args.ngram_min, dtype=args.dtype,
             device=args.device, limit=args.limit, progress=not args.quiet,
         )
-    except (BenchError, ModelLoadError, ValueError) as e:
+    except (BenchError, ModelLoadError, ConfigError) as e:
         return _fail(str(e))
     if args.json:
         print(json.dumps(report))
@@ -98,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", help="draft model directory (with --target)")
     b.add_argument("--prompts", default="code", help="code, prose, or a .jsonl file of {id, text} rows")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    b.add_argument("--draft-len", type=_positive_int, default=4, help="draft model tokens per step (k)")
+    b.add_argument("--draft-len", type=_positive_int, default=3, help="draft model tokens per step (k)")
     b.add_argument("--ngram-draft-len", type=_positive_int, default=8, help="n-gram drafter tokens per step")
     b.add_argument("--ngram-max", type=_positive_int, default=4, help="longest suffix the n-gram drafter matches")
     b.add_argument("--ngram-min", type=_positive_int, default=1, help="shortest suffix it accepts")
