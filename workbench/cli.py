@@ -85,6 +85,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         for sub in ("target", "drafter", "tokenizer"):
             shutil.rmtree(out / sub, ignore_errors=True)
+        # Checkpoints would otherwise resume the old run to its end; the token cache follows the tokenizer.
+        shutil.rmtree(work, ignore_errors=True)
     results = train_demo(out, work, only=args.only)
     summary = {k: {"parameters": v["parameters"], "final_val_loss": v["final_val_loss"]}
                for k, v in results.items() if k != "quality"}
