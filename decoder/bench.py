@@ -31,8 +31,12 @@ from decoder.models import (
 from decoder.profiler import DecodeStats
 
 OUR_METHODS = ("ar", "sd-draft-model", "sd-ngram")
+# Mechanism lean_forward: the same methods on decoder/lean.py's forward. Their speedup_vs_ar is taken
+# against ar-lean, so the gain from speculation is never mixed with the gain from the faster forward.
+LEAN_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
-ALL_METHODS = OUR_METHODS + HF_METHODS
+ALL_METHODS = OUR_METHODS + LEAN_METHODS + HF_METHODS
+DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "hf-assisted-draft-model")
 REFERENCE = "hf-greedy"
 
 
@@ -119,27 +123,36 @@ class Bench:
         self.device = next(target.parameters()).device
 
     def methods(self, names: tuple[str, ...]) -> dict[str, Callable[[list[int]], tuple[list[int], DecodeStats]]]:
+        lean_target = lean_drafter = None
+        if any(n in LEAN_METHODS for n in names):
+            from decoder.lean import LeanLM
+
+            lean_target = LeanLM(self.target)
+            lean_drafter = LeanLM(self.drafter) if self.drafter is not None else None
         table = {
-            "ar": self._ar,
-            "sd-draft-model": self._sd_draft,
-            "sd-ngram": self._sd_ngram,
+            "ar": lambda p: self._ar(p, self.target),
+            "sd-draft-model": lambda p: self._sd_draft(p, self.target, self.drafter),
+            "sd-ngram": lambda p: self._sd_ngram(p, self.target),
+            "ar-lean": lambda p: self._ar(p, lean_target),
+            "sd-draft-model-lean": lambda p: self._sd_draft(p, lean_target, lean_drafter),
+            "sd-ngram-lean": lambda p: self._sd_ngram(p, lean_target),
             "hf-greedy": lambda p: self._hf(p, {}),
             "hf-assisted-draft-model": lambda p: self._hf(p, {"assistant_model": self.drafter}),
             "hf-prompt-lookup": lambda p: self._hf(p, {"prompt_lookup_num_tokens": self.hf_prompt_lookup_tokens}),
         }
         return {n: table[n] for n in names}
 
-    def _ar(self, prompt: list[int]) -> tuple[list[int], DecodeStats]:
-        g = ar_generate(self.target, prompt, DecodeConfig(**{**self.cfg.as_dict(), "method": "ar"}))
+    def _ar(self, prompt: list[int], target) -> tuple[list[int], DecodeStats]:
+        g = ar_generate(target, prompt, DecodeConfig(**{**self.cfg.as_dict(), "method": "ar"}))
         return g.tokens, g.stats
 
-    def _sd_draft(self, prompt: list[int]) -> tuple[list[int], DecodeStats]:
-        g = speculative_generate(self.target, DraftModelDrafter(self.drafter), prompt, self.cfg)
+    def _sd_draft(self, prompt: list[int], target, drafter) -> tuple[list[int], DecodeStats]:
+        g = speculative_generate(target, DraftModelDrafter(drafter), prompt, self.cfg)
         return g.tokens, g.stats
 
-    def _sd_ngram(self, prompt: list[int]) -> tuple[list[int], DecodeStats]:
+    def _sd_ngram(self, prompt: list[int], target) -> tuple[list[int], DecodeStats]:
         c = self.ngram_cfg
-        g = speculative_generate(self.target, NgramDrafter(c.ngram_max, c.ngram_min, self.device), prompt, c)
+        g = speculative_generate(target, NgramDrafter(c.ngram_max, c.ngram_min, self.device), prompt, c)
         return g.tokens, g.stats
 
     @torch.inference_mode()
@@ -227,10 +240,9 @@ def run_bench(
         raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
     if REFERENCE not in methods:
         methods = (REFERENCE, *methods)  # the reference every output is checked against
-    needs_drafter = any(m in ("sd-draft-model", "hf-assisted-draft-model") for m in methods)
+    needs_drafter = any(m in DRAFT_MODEL_METHODS for m in methods)
     if needs_drafter and drafter_dir is None:
-        raise BenchError("sd-draft-model and hf-assisted-draft-model need --drafter DIR "
-                         "(or drop them with --methods)")
+        raise BenchError(f"{', '.join(DRAFT_MODEL_METHODS)} need --drafter DIR (or drop them with --methods)")
     prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
     if limit:
         prompts = prompts[:limit]
@@ -274,7 +286,6 @@ def run_bench(
     pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference[:noise_prompts], strict=True)]
     floor = noise_floor(target, pairs,
                         k_widths)
-    ar = results.get("ar")
     hf = results[REFERENCE]
     report_methods = []
     for name, res in results.items():
@@ -289,10 +300,13 @@ def run_bench(
             unexplained += not explained
             divergences.append({"prompt": pid, "position": pos, "margin": round(margin, 5), "explained": explained})
         tps = res.tokens / res.seconds if res.seconds else 0.0
+        baseline = "ar-lean" if name in LEAN_METHODS else "ar"
+        ar = results.get(baseline)
         entry = {
             "name": name,
             "tokens_per_s": round(tps, 2),
             "speedup_vs_ar": round(tps / (ar.tokens / ar.seconds), 4) if ar else None,
+            "ar_baseline": baseline if ar else None,
             "speedup_vs_hf_greedy": round(tps / (hf.tokens / hf.seconds), 4),
             "tau": round(res.stats.tau, 4),
             "identical_to_hf_greedy": mismatched == 0,
@@ -304,12 +318,13 @@ def run_bench(
             "target_forwards": res.stats.target_forwards,
             "divergences": divergences,
         }
-        if name in OUR_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS:
             entry["acceptance_rate"] = round(res.stats.acceptance_rate, 4) if res.stats.drafted else None
             entry["accept_hist"] = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
             entry["phase_ms_per_token"] = {k: round(1000 * v / max(1, res.tokens), 4)
                                            for k, v in res.stats.phase_s.items()}
-            entry["draft_len"] = {"ar": None, "sd-draft-model": draft_len, "sd-ngram": ngram_draft_len}[name]
+            entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
+                                  ngram_draft_len if name.startswith("sd-ngram") else None)
         report_methods.append(entry)
     order = {m: i for i, m in enumerate(ALL_METHODS)}
     report_methods.sort(key=lambda m: order[m["name"]])
@@ -350,6 +365,8 @@ def format_table(report: dict) -> str:
     lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    if any(m.get("ar_baseline") == "ar-lean" for m in report["methods"]):
+        lines.append("vs AR of *-lean methods is against ar-lean (speculation's gain alone)")
     lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
     lines.append("all methods lossless (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")

@@ -27,6 +27,7 @@ class DecodeConfig:
     seed: int = 0
     max_new_tokens: int = 128
     stop_at_eos: bool = True
+    lean_forward: bool = False  # mechanism lean_forward (host-overhead): fused, preallocated-KV forward
     dtype: str = "bfloat16"
     device: str = "cpu"
 

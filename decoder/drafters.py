@@ -30,42 +30,40 @@ class DraftModelDrafter(Drafter):
     name = "draft-model"
 
     def __init__(self, model, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
-        from transformers import DynamicCache
+        from decoder.generate import as_runner
 
-        self.model = model
-        self.device = next(model.parameters()).device
+        self.model = as_runner(model)  # a Hugging Face model (stock) or a LeanLM
+        self.device = self.model.device
         self.temperature = temperature
         self.generator = generator
-        self._cache_cls = DynamicCache
         self.cache = None
         self.cache_len = 0  # tokens of the committed sequence whose KV the cache holds
         self._last_k = 0
 
     def reset(self, prompt: list[int]) -> None:
-        self.cache = self._cache_cls(config=self.model.config)
+        self.cache = self.model.new_cache()
         self.cache_len = 0
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Feed what the cache has not seen (the prompt on the first step, then 1-2 tokens), then
         # one token per forward. Drafted tokens stay on the device: no host sync inside the loop.
-        inp = torch.tensor([tokens[self.cache_len:]], device=self.device)
+        inp = torch.tensor(tokens[self.cache_len:], device=self.device)
         drafted, probs = [], []
         for _ in range(k):
-            logits = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True,
-                                logits_to_keep=1).logits[:, -1]  # [1, V]
+            logits = self.model.forward(inp, self.cache, last_only=True)  # [1, V]
             if self.temperature > 0:
                 p = torch.softmax(logits.float() / self.temperature, dim=-1)
-                nxt = torch.multinomial(p, 1, generator=self.generator)  # [1, 1]
+                nxt = torch.multinomial(p, 1, generator=self.generator).view(1)  # [1]
                 probs.append(p)
             else:
-                nxt = logits.argmax(dim=-1, keepdim=True)  # [1, 1]
+                nxt = logits.argmax(dim=-1)  # [1]
             drafted.append(nxt)
             inp = nxt
         # The cache now holds tokens + drafted[:-1]; the last draft was never fed.
         self.cache_len = len(tokens) + k - 1
         self._last_k = k
-        draft = torch.cat(drafted, dim=1)[0]  # [k]
+        draft = torch.cat(drafted)  # [k]
         return draft, (torch.cat(probs, dim=0) if probs else None)
 
     def commit(self, tokens: list[int], n_accepted: int) -> None:

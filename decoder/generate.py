@@ -24,14 +24,40 @@ class Generation:
     stats: DecodeStats = field(default_factory=DecodeStats)
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
+class HFRunner:
+    """The stock path: a Hugging Face causal LM with a DynamicCache, behind the runner interface
+    (`new_cache`, `forward(ids [q], cache, last_only) -> logits [q|1, V]`) that LeanLM shares."""
 
-    return DynamicCache(config=model.config)
+    def __init__(self, model) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        return self.model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True,
+                          logits_to_keep=1 if last_only else 0).logits[0]
+
+
+def as_runner(model):
+    """A runner for `model`: LeanLM and HFRunner pass through, a Hugging Face model gets wrapped."""
+    from decoder.lean import LeanLM
+
+    return model if isinstance(model, (HFRunner, LeanLM)) else HFRunner(model)
 
 
 def crop_cache(cache, keep: int) -> None:
-    """Roll a cache back to its first `keep` tokens (transformers 5 crops by a negative count)."""
+    """Roll a cache back to its first `keep` tokens (a length change for LeanCache; transformers 5
+    crops a DynamicCache by a negative count)."""
+    from decoder.lean import LeanCache
+
+    if isinstance(cache, LeanCache):
+        cache.crop(keep)
+        return
     drop = cache.get_seq_length() - keep
     if drop > 0:
         cache.crop(-drop)
@@ -60,21 +86,22 @@ def _eos_id(model) -> int | None:
 @torch.inference_mode()
 def ar_generate(target, prompt: list[int], cfg: DecodeConfig, profile_sync: bool = False) -> Generation:
     """Plain autoregressive decoding: one target forward per token (the stock baseline)."""
-    device = next(target.parameters()).device
+    target = as_runner(target)
+    device = target.device
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     stats = DecodeStats()
     timer = PhaseTimer(stats, device, profile_sync)
     t0 = time.perf_counter()
-    cache = _new_cache(target)
+    cache = target.new_cache()
     eos = _eos_id(target)
-    inp = torch.tensor([prompt], device=device)
+    inp = torch.tensor(prompt, device=device)
     out: list[torch.Tensor] = []
     done_check_every = 8 if (cfg.stop_at_eos and eos is not None) else cfg.max_new_tokens
     for i in range(cfg.max_new_tokens):
-        logits = target(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = target.forward(inp, cache, last_only=True)  # [1, V]
         nxt = _select(logits, cfg, gen)  # [1]
         out.append(nxt)
-        inp = nxt.view(1, 1)
+        inp = nxt
         stats.target_forwards += 1
         timer.mark("prefill" if i == 0 else "verify")
         # EOS is checked every few tokens, not every token: one host sync per 8 steps.
@@ -105,7 +132,8 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
     Greedy (temperature 0) commits exactly the target's argmax sequence; temperature > 0 uses
     lossless rejection sampling, seeded by `generator` (or cfg.seed).
     """
-    device = next(target.parameters()).device
+    target = as_runner(target)
+    device = target.device
     if cfg.temperature > 0 and generator is None:
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
         if isinstance(drafter, DraftModelDrafter):
@@ -115,11 +143,10 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
     timer = PhaseTimer(stats, device, profile_sync)
     t0 = time.perf_counter()
     eos = _eos_id(target)
-    cache = _new_cache(target)
+    cache = target.new_cache()
 
     # Prefill: the prompt's KV and the first new token.
-    logits = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1).logits[:, -1]
+    logits = target.forward(torch.tensor(prompt, device=device), cache, last_only=True)  # [1, V]
     tokens = list(prompt)
     tokens.append(int(_select(logits, cfg, generator).item()))
     stats.target_forwards += 1
@@ -137,8 +164,8 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
         k = draft.shape[0]
         timer.mark("draft")
 
-        inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft]).view(1, -1)  # [1, k+1]
-        logits = target(input_ids=inp, past_key_values=cache, use_cache=True).logits[0]  # [k+1, V]
+        inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft])  # [k+1]
+        logits = target.forward(inp, cache)  # [k+1, V]
         stats.target_forwards += 1
         timer.mark("verify")
 
@@ -171,8 +198,13 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
 def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False
              ) -> Generation:
     """Dispatch on cfg.method: the AR baseline or speculative decoding with cfg.drafter."""
+    if cfg.lean_forward:
+        from decoder.lean import LeanLM
+
+        target = LeanLM(target)
+        drafter_model = LeanLM(drafter_model) if drafter_model is not None else None
     if cfg.method == "ar":
         return ar_generate(target, prompt, cfg, profile_sync)
-    device = next(target.parameters()).device
+    device = as_runner(target).device
     drafter = make_drafter(cfg, drafter_model, device)
     return speculative_generate(target, drafter, prompt, cfg, profile_sync=profile_sync)

@@ -26,3 +26,29 @@ def test_bad_values_name_key_and_value(text, needle):
     with pytest.raises(ConfigError) as e:
         DecodeConfig.from_toml(text)
     assert needle in str(e.value)
+
+
+def test_registry_keys_are_config_keys_and_stock_is_default():
+    from dataclasses import fields
+
+    from decoder.mechanisms import GAP_FAMILIES, REGISTRY, stock_config, validate_change
+
+    names = {f.name for f in fields(DecodeConfig)}
+    stock = stock_config()
+    for m in REGISTRY.values():
+        assert m.family in GAP_FAMILIES
+        assert set(m.keys) <= names
+        for k, v in m.stock.items():
+            assert getattr(stock, k) == v, (m.name, k)
+    validate_change({"lean_forward": True, "draft_len": 4})
+    with pytest.raises(ValueError, match="draft_len = 99"):
+        validate_change({"draft_len": 99})
+    with pytest.raises(ValueError, match="dtype is not a mechanism key"):
+        validate_change({"dtype": "float16"})
+
+
+def test_registry_families_match_cost_model():
+    from costmodel.gaps import FAMILIES
+    from decoder.mechanisms import GAP_FAMILIES
+
+    assert tuple(GAP_FAMILIES) == tuple(FAMILIES)

@@ -38,7 +38,14 @@ def _quiet_transformers() -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from decoder.bench import ALL_METHODS, BenchError, bench_deployment, format_table, run_bench
+    from decoder.bench import (
+        ALL_METHODS,
+        DRAFT_MODEL_METHODS,
+        BenchError,
+        bench_deployment,
+        format_table,
+        run_bench,
+    )
     from decoder.config import ConfigError
     from decoder.models import ModelLoadError, demo_deployment
 
@@ -54,7 +61,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             deployment = args.deployment
         methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ALL_METHODS
         if drafter is None and not args.methods:
-            methods = tuple(m for m in methods if m not in ("sd-draft-model", "hf-assisted-draft-model"))
+            methods = tuple(m for m in methods if m not in DRAFT_MODEL_METHODS)
         report = run_bench(
             target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
             methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max,

@@ -1,0 +1,70 @@
+"""The decoder's mechanism registry: what the tuner may switch on and tune, all off in stock.
+
+Each entry names its DecodeConfig keys with their ranges, the gap family it closes (the cost
+model's families), and when it applies. Stock is `DecodeConfig()` with every mechanism at its
+`stock` value; a candidate is stock plus changes to these keys only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from decoder.config import DecodeConfig
+
+GAP_FAMILIES = ("weights", "kv", "compute", "drafting", "acceptance", "batching", "host-overhead")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str
+    family: str
+    keys: dict[str, tuple]  # DecodeConfig key -> allowed values (a tuple of choices)
+    stock: dict[str, object]  # the value of each key in stock
+    applies: str  # when the mechanism can help, in one line
+    summary: str
+    requires: dict[str, object] = field(default_factory=dict)  # other keys it needs (e.g. method = "sd")
+
+
+REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
+    Mechanism(
+        name="speculative-draft-model", family="drafting",
+        keys={"method": ("ar", "sd"), "drafter": ("draft-model",), "draft_len": tuple(range(1, 9))},
+        stock={"method": "sd", "drafter": "draft-model", "draft_len": 3},
+        applies="a draft model sharing the target's tokenizer exists",
+        summary="chain SD with a small draft model; draft_len trades drafting time against tau",
+    ),
+    Mechanism(
+        name="speculative-ngram", family="drafting",
+        keys={"drafter": ("ngram",), "draft_len": (2, 4, 6, 8, 12, 16), "ngram_max": (2, 3, 4, 6),
+              "ngram_min": (1, 2, 3)},
+        stock={"drafter": "draft-model"},
+        applies="outputs repeat spans of the prompt or of themselves (code, extraction, edits)",
+        summary="prompt-lookup drafting from an incremental n-gram index: no drafter forward at all",
+        requires={"method": "sd"},
+    ),
+    Mechanism(
+        name="lean-forward", family="host-overhead",
+        keys={"lean_forward": (False, True)},
+        stock={"lean_forward": False},
+        applies="Llama-family target/drafter (no biases) where per-forward framework overhead is large",
+        summary="fused QKV and gate/up projections, preallocated KV cache with rollback by length "
+                "(decoder/lean.py); logits bit-identical to the HF path on the demo",
+    ),
+)}
+
+
+def stock_config() -> DecodeConfig:
+    return DecodeConfig()
+
+
+def validate_change(changes: dict[str, object]) -> None:
+    """Reject a candidate change that touches keys outside the registry or leaves their ranges."""
+    allowed: dict[str, set] = {}
+    for m in REGISTRY.values():
+        for k, values in m.keys.items():
+            allowed.setdefault(k, set()).update(values)
+    for k, v in changes.items():
+        if k not in allowed:
+            raise ValueError(f"mechanism change: {k} is not a mechanism key; known: {', '.join(sorted(allowed))}")
+        if v not in allowed[k]:
+            raise ValueError(f"mechanism change: {k} = {v!r} is outside its range {sorted(allowed[k], key=str)}")

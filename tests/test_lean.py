@@ -1,0 +1,74 @@
+"""Mechanism lean_forward: the compact forward against the Hugging Face path it replaces."""
+
+import pytest
+import torch
+from conftest import needs_demo, tiny_llama
+
+from decoder.config import DecodeConfig
+from decoder.drafters import DraftModelDrafter, NgramDrafter
+from decoder.generate import HFRunner, ar_generate, crop_cache, speculative_generate
+from decoder.lean import LeanLM, LeanUnsupported
+
+pytestmark = needs_demo
+
+
+@pytest.mark.parametrize("pair", ["demo_fp32", "demo_bf16"])
+def test_logits_match_hf(pair, request, demo_prompts):
+    """Prefill, a verify block and a decode step: equal to HF's logits within bf16's spacing."""
+    for model in request.getfixturevalue(pair):
+        hf, lean = HFRunner(model), LeanLM(model)
+        c_hf, c_lean = hf.new_cache(), lean.new_cache()
+        p = torch.tensor(demo_prompts[0])
+        for ids, last in ((p[:-5], False), (p[-5:], False), (torch.tensor([7]), True)):
+            a, b = hf.forward(ids, c_hf, last), lean.forward(ids, c_lean, last)
+            tol = 0.0 if model.dtype == torch.float32 else 0.125
+            assert (a.float() - b.float()).abs().max().item() <= tol + 1e-4
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_lean_sd_token_identical_to_ar_fp32(demo_fp32, demo_prompts, drafter):
+    target, draft_model = (LeanLM(m) for m in demo_fp32)
+    cfg = DecodeConfig(max_new_tokens=40, dtype="float32", stop_at_eos=False)
+    for prompt in demo_prompts[:2]:
+        ref = ar_generate(demo_fp32[0], prompt, DecodeConfig(**{**cfg.as_dict(), "method": "ar"})).tokens
+        assert ar_generate(target, prompt, DecodeConfig(**{**cfg.as_dict(), "method": "ar"})).tokens == ref
+        for k in range(1, 9):
+            d = DraftModelDrafter(draft_model) if drafter == "draft-model" else NgramDrafter(4, 1)
+            c = DecodeConfig(**{**cfg.as_dict(), "draft_len": k, "drafter": drafter})
+            assert speculative_generate(target, d, prompt, c).tokens == ref, k
+
+
+@torch.inference_mode()
+def test_lean_cache_rollback_is_exact(demo_fp32, demo_prompts):
+    lean = LeanLM(demo_fp32[0])
+    prompt = torch.tensor(demo_prompts[0][:64])
+    nxt = torch.tensor([int(prompt[-1]), 42, 43])
+
+    def run(junk):
+        cache = lean.new_cache()
+        lean.forward(prompt, cache)
+        if junk is not None:
+            lean.forward(junk, cache)
+        crop_cache(cache, len(prompt) - 1)
+        return lean.forward(nxt, cache)
+
+    assert torch.equal(run(torch.tensor([11, 12, 13, 14, 15])), run(None))
+
+
+def test_generate_dispatches_lean(demo_fp32, demo_prompts):
+    from decoder.generate import generate
+
+    cfg = DecodeConfig(method="sd", lean_forward=True, max_new_tokens=16, dtype="float32", stop_at_eos=False)
+    ref = ar_generate(demo_fp32[0], demo_prompts[1], DecodeConfig(method="ar", max_new_tokens=16,
+                                                                  dtype="float32", stop_at_eos=False)).tokens
+    assert generate(cfg, demo_fp32[0], demo_prompts[1], demo_fp32[1]).tokens == ref
+
+
+def test_buffer_overflow_and_unsupported_model_are_clear():
+    model = tiny_llama()
+    lean = LeanLM(model, max_len=8)
+    with pytest.raises(ValueError, match="exceeds the KV buffer"):
+        lean.forward(torch.arange(9), lean.new_cache())
+    model.config.model_type = "gpt2"
+    with pytest.raises(LeanUnsupported, match="gpt2"):
+        LeanLM(model)
