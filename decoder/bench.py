@@ -34,9 +34,19 @@ OUR_METHODS = ("ar", "sd-draft-model", "sd-ngram")
 # Mechanism lean_forward: the same methods on decoder/lean.py's forward. Their speedup_vs_ar is taken
 # against ar-lean, so the gain from speculation is never mixed with the gain from the faster forward.
 LEAN_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean")
+# Mechanism weight_format = "w12": the target's linear layers in the lossless 12-bit format (on a copy;
+# the HF reference keeps bf16). Reference path on CPU (slower: it unpacks every forward), Triton on CUDA.
+# Not in the default set; ask with --methods. Speedups against ar-w12, like the lean methods.
+W12_METHODS = ("ar-w12", "sd-draft-model-w12", "sd-ngram-w12")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + HF_METHODS
-DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "hf-assisted-draft-model")
+KNOWN_METHODS = ALL_METHODS + W12_METHODS
+DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "hf-assisted-draft-model")
+VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12"}
+
+
+def _baseline(name: str) -> str:
+    return VARIANT_BASELINE.get(name.rsplit("-", 1)[-1], "ar")
 REFERENCE = "hf-greedy"
 
 
@@ -121,6 +131,7 @@ class Bench:
         self.ngram_cfg = DecodeConfig(**{**cfg.as_dict(), "drafter": "ngram", "draft_len": ngram_draft_len})
         self.hf_prompt_lookup_tokens = hf_prompt_lookup_tokens
         self.device = next(target.parameters()).device
+        self.w12_footprint: dict | None = None
 
     def methods(self, names: tuple[str, ...]) -> dict[str, Callable[[list[int]], tuple[list[int], DecodeStats]]]:
         lean_target = lean_drafter = None
@@ -129,6 +140,14 @@ class Bench:
 
             lean_target = LeanLM(self.target)
             lean_drafter = LeanLM(self.drafter) if self.drafter is not None else None
+        w12_target = None
+        if any(n in W12_METHODS for n in names):
+            import copy
+
+            from decoder.w12 import apply_w12
+
+            w12_target = copy.deepcopy(self.target)
+            self.w12_footprint = apply_w12(w12_target, backend="auto")
         table = {
             "ar": lambda p: self._ar(p, self.target),
             "sd-draft-model": lambda p: self._sd_draft(p, self.target, self.drafter),
@@ -136,6 +155,9 @@ class Bench:
             "ar-lean": lambda p: self._ar(p, lean_target),
             "sd-draft-model-lean": lambda p: self._sd_draft(p, lean_target, lean_drafter),
             "sd-ngram-lean": lambda p: self._sd_ngram(p, lean_target),
+            "ar-w12": lambda p: self._ar(p, w12_target),
+            "sd-draft-model-w12": lambda p: self._sd_draft(p, w12_target, self.drafter),
+            "sd-ngram-w12": lambda p: self._sd_ngram(p, w12_target),
             "hf-greedy": lambda p: self._hf(p, {}),
             "hf-assisted-draft-model": lambda p: self._hf(p, {"assistant_model": self.drafter}),
             "hf-prompt-lookup": lambda p: self._hf(p, {"prompt_lookup_num_tokens": self.hf_prompt_lookup_tokens}),
@@ -235,9 +257,9 @@ def run_bench(
     """Run every method on every prompt; return the JSON report (see the issue's contract)."""
     if max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    unknown = [m for m in methods if m not in ALL_METHODS]
+    unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
-        raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+        raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
     if REFERENCE not in methods:
         methods = (REFERENCE, *methods)  # the reference every output is checked against
     needs_drafter = any(m in DRAFT_MODEL_METHODS for m in methods)
@@ -300,7 +322,7 @@ def run_bench(
             unexplained += not explained
             divergences.append({"prompt": pid, "position": pos, "margin": round(margin, 5), "explained": explained})
         tps = res.tokens / res.seconds if res.seconds else 0.0
-        baseline = "ar-lean" if name in LEAN_METHODS else "ar"
+        baseline = _baseline(name)
         ar = results.get(baseline)
         entry = {
             "name": name,
@@ -318,7 +340,7 @@ def run_bench(
             "target_forwards": res.stats.target_forwards,
             "divergences": divergences,
         }
-        if name in OUR_METHODS + LEAN_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS:
             entry["acceptance_rate"] = round(res.stats.acceptance_rate, 4) if res.stats.drafted else None
             entry["accept_hist"] = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
             entry["phase_ms_per_token"] = {k: round(1000 * v / max(1, res.tokens), 4)
@@ -326,7 +348,7 @@ def run_bench(
             entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
                                   ngram_draft_len if name.startswith("sd-ngram") else None)
         report_methods.append(entry)
-    order = {m: i for i, m in enumerate(ALL_METHODS)}
+    order = {m: i for i, m in enumerate(KNOWN_METHODS)}
     report_methods.sort(key=lambda m: order[m["name"]])
     return {
         "deployment": deployment,
@@ -342,6 +364,7 @@ def run_bench(
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
                    "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens},
         "torch": torch.__version__,
+        **({"w12": bench.w12_footprint} if bench.w12_footprint else {}),
     }
 
 
@@ -365,8 +388,9 @@ def format_table(report: dict) -> str:
     lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-    if any(m.get("ar_baseline") == "ar-lean" for m in report["methods"]):
-        lines.append("vs AR of *-lean methods is against ar-lean (speculation's gain alone)")
+    for variant, base in VARIANT_BASELINE.items():
+        if any(m.get("ar_baseline") == base for m in report["methods"]):
+            lines.append(f"vs AR of *-{variant} methods is against {base} (speculation's gain alone)")
     lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
     lines.append("all methods lossless (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")

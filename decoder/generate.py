@@ -198,6 +198,11 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
 def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False
              ) -> Generation:
     """Dispatch on cfg.method: the AR baseline or speculative decoding with cfg.drafter."""
+    if cfg.weight_format == "w12" and not getattr(target, "_specpilot_w12", False):
+        from decoder.w12 import apply_w12
+
+        apply_w12(target)  # in place: the caller's target now holds 12-bit weights
+        target._specpilot_w12 = True
     if cfg.lean_forward:
         from decoder.lean import LeanLM
 

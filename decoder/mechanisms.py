@@ -43,6 +43,14 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         requires={"method": "sd"},
     ),
     Mechanism(
+        name="w12-weights", family="weights",
+        keys={"weight_format": ("bf16", "w12")},
+        stock={"weight_format": "bf16"},
+        applies="bf16 target on a GPU (Triton kernel); lossless everywhere, slower on CPU (reference unpack)",
+        summary="lossless 12-bit weights (kernels/w12.py): 25% fewer weight bytes per decode step",
+        requires={"lean_forward": False},  # the lean forward reads fused bf16 weights
+    ),
+    Mechanism(
         name="lean-forward", family="host-overhead",
         keys={"lean_forward": (False, True)},
         stock={"lean_forward": False},

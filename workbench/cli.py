@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_memory_parser(sub)  # `memory list|show|search|accept|reject`
 
+    from workbench.w12_cli import add_parser as add_w12_parser
+
+    add_w12_parser(sub)  # `w12 stats`
+
     t = sub.add_parser("train", help="train models by the project's own recipes")
     t.add_argument("what", help="demo: tokenizer, target and draft model of the embedded demo")
     t.add_argument("--out", help="output root (default: the package's demo assets)")
