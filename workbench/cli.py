@@ -10,22 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
-
-
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
+from workbench.cli_util import OneLineParser, fail, positive_int
 
 
 def _quiet_transformers() -> None:
@@ -69,7 +54,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             device=args.device, limit=args.limit, progress=not args.quiet,
         )
     except (BenchError, ModelLoadError, ConfigError) as e:
-        return _fail(str(e))
+        return fail(str(e))
     if args.json:
         print(json.dumps(report))
     else:
@@ -81,7 +66,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.what != "demo":
-        return _fail(f"train {args.what}: unknown; available: demo")
+        return fail(f"train {args.what}: unknown; available: demo")
     from decoder.models import DEMO_DIR
     from decoder.train import train_demo
 
@@ -103,14 +88,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not a usage dump
-        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specpilot", description="SpecPilot engine commands.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = OneLineParser(prog="specpilot", description="SpecPilot engine commands.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     b = sub.add_parser("bench", help="benchmark AR, our SD and Hugging Face generate on the same prompts")
     src = b.add_mutually_exclusive_group()
@@ -118,13 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--target", help="a local Hugging Face model directory to use as target")
     b.add_argument("--drafter", help="draft model directory (with --target)")
     b.add_argument("--prompts", default="code", help="code, prose, or a .jsonl file of {id, text} rows")
-    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    b.add_argument("--draft-len", type=_positive_int, default=3, help="draft model tokens per step (k)")
-    b.add_argument("--ngram-draft-len", type=_positive_int, default=8, help="n-gram drafter tokens per step")
-    b.add_argument("--ngram-max", type=_positive_int, default=4, help="longest suffix the n-gram drafter matches")
-    b.add_argument("--ngram-min", type=_positive_int, default=1, help="shortest suffix it accepts")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128)
+    b.add_argument("--draft-len", type=positive_int, default=3, help="draft model tokens per step (k)")
+    b.add_argument("--ngram-draft-len", type=positive_int, default=8, help="n-gram drafter tokens per step")
+    b.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix the n-gram drafter matches")
+    b.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix it accepts")
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
-    b.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    b.add_argument("--limit", type=positive_int, help="use only the first N prompts")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     b.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -16,15 +16,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workbench.cli_util import fail, run_group
+
 if TYPE_CHECKING:
     from store import Mechanism, Memory
 
-EXIT_USAGE = 2
-
-
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def default_db_path() -> Path:
@@ -87,11 +83,11 @@ def _run(args: argparse.Namespace, body) -> int:
     try:
         mem = _open(args)
     except StoreError as e:
-        return _fail(str(e))
+        return fail(str(e))
     try:
         return body(mem)
     except (StoreError, ValueError) as e:  # NotFound is a StoreError
-        return _fail(str(e))
+        return fail(str(e))
     finally:
         mem.close()
 
@@ -134,7 +130,7 @@ def _set_status(args: argparse.Namespace, status: str) -> int:
     from store import to_dict
 
     if not args.note.strip():
-        return _fail(f"{status} needs a reviewer note: --note TEXT saying why")
+        return fail(f"{status} needs a reviewer note: --note TEXT saying why")
 
     def body(mem: Memory) -> int:
         m = mem.set_mechanism_status(args.id, status, args.note.strip())
@@ -197,17 +193,9 @@ def add_parser(subparsers) -> None:
         p.set_defaults(func=func)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not a usage dump
-        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run `specpilot memory ARGS` on its own (ARGS start with the subcommand)."""
-    parser = _Parser(prog="specpilot")
-    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-    args = parser.parse_args(["memory", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_group("memory", add_parser, argv)
 
 
 if __name__ == "__main__":

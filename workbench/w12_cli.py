@@ -12,12 +12,7 @@ import argparse
 import json
 import sys
 
-EXIT_USAGE = 2
-
-
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+from workbench.cli_util import fail, positive_int, run_group
 
 
 def _mb(n: int) -> str:
@@ -50,19 +45,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     try:
         report = w12_stats(args.model, args.group_size)
     except (ModelLoadError, ValueError, OSError) as e:
-        return _fail(str(e))
+        return fail(str(e))
     print(json.dumps(report) if args.json else format_stats(report))
     return 0
-
-
-def _group_size(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
 
 
 def add_parser(subparsers) -> None:
@@ -71,23 +56,15 @@ def add_parser(subparsers) -> None:
     sub = w.add_subparsers(dest="w12_command", required=True, metavar="{stats}")
     p = sub.add_parser("stats", help="escape rate, bits per weight and bytes saved, per tensor and in total")
     p.add_argument("--model", required=True, help="a local checkpoint directory with *.safetensors files")
-    p.add_argument("--group-size", type=_group_size, default=None,
+    p.add_argument("--group-size", type=positive_int, default=None,
                    help="weights per exponent group along a row (default: one base per tensor)")
     p.add_argument("--json", action="store_true", help="print JSON on stdout")
     p.set_defaults(func=_cmd_stats)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not a usage dump
-        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run `specpilot w12 ARGS` on its own (ARGS start with the subcommand)."""
-    parser = _Parser(prog="specpilot")
-    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-    args = parser.parse_args(["w12", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_group("w12", add_parser, argv)
 
 
 if __name__ == "__main__":
