@@ -28,6 +28,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     stop_at_eos: bool = True
     lean_forward: bool = False  # mechanism lean_forward (host-overhead): fused, preallocated-KV forward
+    cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
     dtype: str = "bfloat16"
     device: str = "cpu"
@@ -53,6 +54,8 @@ class DecodeConfig:
             raise bad("top_p", "only 1.0 is supported")
         if self.max_new_tokens < 1:
             raise bad("max_new_tokens", "generate at least 1 token")
+        if self.cuda_graphs and not self.lean_forward:
+            raise bad("cuda_graphs", "the static step is built on the lean forward; set lean_forward = true")
         if self.weight_format not in ("bf16", "w12"):
             raise bad("weight_format", "choose bf16 or w12")
         if self.weight_format == "w12" and self.lean_forward:

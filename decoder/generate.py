@@ -44,10 +44,10 @@ class HFRunner:
 
 
 def as_runner(model):
-    """A runner for `model`: LeanLM and HFRunner pass through, a Hugging Face model gets wrapped."""
-    from decoder.lean import LeanLM
+    """A runner for `model`: runners pass through, a Hugging Face model gets wrapped."""
+    from decoder.lean import LeanLM, StaticLeanLM
 
-    return model if isinstance(model, (HFRunner, LeanLM)) else HFRunner(model)
+    return model if isinstance(model, (HFRunner, LeanLM, StaticLeanLM)) else HFRunner(model)
 
 
 def crop_cache(cache, keep: int) -> None:
@@ -204,10 +204,13 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         apply_w12(target)  # in place: the caller's target now holds 12-bit weights
         target._specpilot_w12 = True
     if cfg.lean_forward:
-        from decoder.lean import LeanLM
+        from decoder.lean import LeanLM, StaticLeanLM
 
-        target = LeanLM(target)
-        drafter_model = LeanLM(drafter_model) if drafter_model is not None else None
+        def lean(m):
+            return StaticLeanLM(LeanLM(m)) if cfg.cuda_graphs else LeanLM(m)
+
+        target = lean(target)
+        drafter_model = lean(drafter_model) if drafter_model is not None else None
     if cfg.method == "ar":
         return ar_generate(target, prompt, cfg, profile_sync)
     device = as_runner(target).device

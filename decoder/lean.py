@@ -133,3 +133,130 @@ class LeanLM:
         if last_only:
             x = x[-1:]
         return F.linear(self._rms(x, self.final_norm), self.lm_head)  # [q|1, V]
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32)  # verify widths a step is padded to: one captured graph each
+
+
+def bucket_for(q: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    """The smallest bucket that holds q tokens."""
+    for b in buckets:
+        if q <= b:
+            return b
+    raise ValueError(f"static forward: {q} tokens exceed the largest bucket ({buckets[-1]}); "
+                     f"draft fewer tokens or add a bucket")
+
+
+class StaticLeanLM:
+    """LeanLM with every shape fixed per bucket (mechanism `cuda_graphs`, gap family host-overhead).
+
+    A step of q tokens is padded to its bucket b; positions, the KV write (index_copy_) and the
+    attention mask over the whole KV buffer are tensors, so nothing in the step depends on a Python
+    int that changes between steps. On CUDA each bucket's step is captured once as a CUDA graph and
+    replayed with new ids/positions copied into its static input buffers; on the CPU the same static
+    step runs eagerly (which is how its shape logic is tested here). Padded rows write KV past the
+    valid length, where the next step overwrites them, and their logits are dropped.
+    """
+
+    def __init__(self, lean: LeanLM, max_len: int = 1024, buckets: tuple[int, ...] = BUCKETS,
+                 use_graphs: bool | None = None) -> None:
+        self.lean = lean
+        self.config = lean.config
+        self.device = lean.device
+        self.max_len = max_len
+        self.buckets = buckets
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self._graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, last_only) -> (graph, ids, pos, out)
+        self._graph_cache: LeanCache | None = None  # graphs are bound to one KV buffer
+        self._keys = torch.arange(max_len, device=self.device)  # [max_len]
+
+    def new_cache(self, max_len: int | None = None) -> LeanCache:
+        if self._graph_cache is not None:  # reuse the buffer the graphs were captured on
+            self._graph_cache.length = 0
+            return self._graph_cache
+        shape = (len(self.lean.layers), self.lean.n_kv, self.max_len, self.lean.head_dim)
+        # Zeros, not empty: masked keys still enter q·k, and garbage NaNs would poison the softmax.
+        cache = LeanCache(torch.zeros(shape, dtype=self.lean.dtype, device=self.device),
+                          torch.zeros(shape, dtype=self.lean.dtype, device=self.device))
+        if self.use_graphs:
+            # Capture every bucket now, while the buffer holds nothing: warm-up and capture write KV
+            # at positions 0..b-1, which would clobber a sequence in progress.
+            with torch.inference_mode():
+                for b in self.buckets:
+                    for last_only in (False, True):
+                        self._graphs[(b, last_only)] = self._capture(b, last_only, cache)
+            self._graph_cache = cache
+        return cache
+
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cache: LeanCache, last_only: bool) -> torch.Tensor:
+        """The static step: ids, pos [b] -> logits [b, V] (or [1, V]); shapes depend on b only."""
+        lean = self.lean
+        b = ids.shape[0]
+        cos, sin = lean.cos.index_select(0, pos), lean.sin.index_select(0, pos)  # [b, hd]
+        mask = self._keys[None, :] <= pos[:, None]  # [b, max_len]: keys at or before each query
+        x = F.embedding(ids, lean.embed)  # [b, D]
+        for li, (ln1, wqkv, wo, ln2, wgu, wdown) in enumerate(lean.layers):
+            h = lean._rms(x, ln1)
+            qkv = F.linear(h, wqkv)
+            qh = qkv[:, : lean.q_size].view(b, lean.n_heads, lean.head_dim).transpose(0, 1)
+            kh = qkv[:, lean.q_size : lean.q_size + lean.kv_size].view(b, lean.n_kv, lean.head_dim).transpose(0, 1)
+            vh = qkv[:, lean.q_size + lean.kv_size :].view(b, lean.n_kv, lean.head_dim).transpose(0, 1)
+            qh = lean._rope(qh, cos, sin)
+            cache.k[li].index_copy_(1, pos, lean._rope(kh, cos, sin))
+            cache.v[li].index_copy_(1, pos, vh)
+            att = F.scaled_dot_product_attention(
+                qh[None], cache.k[li : li + 1], cache.v[li : li + 1], attn_mask=mask,
+                enable_gqa=lean.n_kv != lean.n_heads,
+            )  # [1, H, b, hd]
+            x = x + F.linear(att[0].transpose(0, 1).reshape(b, lean.q_size), wo)
+            h = lean._rms(x, ln2)
+            gu = F.linear(h, wgu)
+            x = x + F.linear(F.silu(gu[:, : lean.inter]) * gu[:, lean.inter :], wdown)
+        if last_only:
+            x = x[-1:]
+        return F.linear(lean._rms(x, lean.final_norm), lean.lm_head)
+
+    def _capture(self, b: int, last_only: bool, cache: LeanCache) -> tuple:
+        ids = torch.zeros(b, dtype=torch.long, device=self.device)
+        pos = torch.arange(b, device=self.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture, as CUDA graphs require
+            for _ in range(2):
+                self._step(ids, pos, cache, last_only)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(ids, pos, cache, last_only)
+        return graph, ids, pos, out
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False) -> torch.Tensor:
+        """Same contract as LeanLM.forward; long prompts (beyond the largest bucket) go through LeanLM."""
+        q = ids.shape[0]
+        start = cache.length
+        if q > self.buckets[-1]:
+            return self.lean.forward(ids, cache, last_only)  # prefill: one call, not worth a graph
+        b = bucket_for(q, self.buckets)
+        if start + b > cache.k.shape[2]:
+            raise ValueError(f"static forward: positions up to {start + b} exceed the KV buffer "
+                             f"({cache.k.shape[2]}); create the cache with a larger max_len")
+        # With last_only the real last token must be the last row: pad in front only for decode (q = b).
+        pos = torch.arange(start, start + b, device=self.device)
+        if q < b:
+            ids = torch.cat([ids, ids.new_zeros(b - q)])
+        graph_last = last_only and q == b
+        if self.use_graphs:
+            if cache is not self._graph_cache:
+                raise ValueError("static forward: this cache was not made by new_cache(); graphs replay on theirs")
+            graph, ids_buf, pos_buf, out = self._graphs[(b, graph_last)]
+            ids_buf.copy_(ids)
+            pos_buf.copy_(pos)
+            graph.replay()
+            logits = out
+        else:
+            logits = self._step(ids, pos, cache, graph_last)
+        cache.length = start + q
+        if last_only and not graph_last:
+            return logits[q - 1 : q]
+        return logits if graph_last else logits[:q]

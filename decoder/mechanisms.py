@@ -58,6 +58,15 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         summary="fused QKV and gate/up projections, preallocated KV cache with rollback by length "
                 "(decoder/lean.py); logits bit-identical to the HF path on the demo",
     ),
+    Mechanism(
+        name="cuda-graphs", family="host-overhead",
+        keys={"cuda_graphs": (False, True)},
+        stock={"cuda_graphs": False},
+        applies="CUDA targets where kernel launches dominate a decode step (small models, batch 1)",
+        summary="steps padded to verify-width buckets with tensor positions and masks (StaticLeanLM); "
+                "each bucket captured once as a CUDA graph and replayed; eager on the CPU",
+        requires={"lean_forward": True},
+    ),
 )}
 
 

@@ -72,3 +72,37 @@ def test_buffer_overflow_and_unsupported_model_are_clear():
     model.config.model_type = "gpt2"
     with pytest.raises(LeanUnsupported, match="gpt2"):
         LeanLM(model)
+
+
+def test_static_step_matches_lean_and_buckets(demo_fp32, demo_prompts):
+    """The bucketed static step (CUDA-graph path, run eagerly here): logits as LeanLM's, any width."""
+    from decoder.lean import StaticLeanLM, bucket_for
+
+    assert [bucket_for(q) for q in (1, 2, 3, 5, 9, 17, 32)] == [1, 2, 4, 8, 16, 32, 32]
+    with pytest.raises(ValueError, match="exceed the largest bucket"):
+        bucket_for(33)
+    lean = LeanLM(demo_fp32[0])
+    static = StaticLeanLM(LeanLM(demo_fp32[0]), max_len=512, use_graphs=False)
+    c1, c2 = lean.new_cache(), static.new_cache()
+    p = demo_prompts[0]
+    for ids, last in ((p, True), ([5, 6, 7], False), ([9], True), (list(range(10, 19)), False), ([4, 4], True)):
+        a = lean.forward(torch.tensor(ids), c1, last)
+        b = static.forward(torch.tensor(ids), c2, last)
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < 1e-4  # fp32: only the attention's reduction length differs
+        assert c1.length == c2.length
+    crop_cache(c2, 10)
+    with pytest.raises(ValueError, match="exceed the KV buffer"):
+        static.forward(torch.arange(5), StaticLeanLM(LeanLM(demo_fp32[0]), max_len=4, use_graphs=False).new_cache())
+
+
+def test_static_sd_token_identical_fp32(demo_fp32, demo_prompts):
+    from decoder.generate import generate
+
+    base = dict(max_new_tokens=40, dtype="float32", stop_at_eos=False)
+    ref = ar_generate(demo_fp32[0], demo_prompts[0], DecodeConfig(method="ar", **base)).tokens
+    for k in (1, 3, 8):
+        cfg = DecodeConfig(draft_len=k, lean_forward=True, cuda_graphs=True, **base)
+        assert generate(cfg, demo_fp32[0], demo_prompts[0], demo_fp32[1]).tokens == ref, k
+    with pytest.raises(ValueError, match="set lean_forward = true"):
+        DecodeConfig(cuda_graphs=True)
