@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from decoder.runners import as_runner, crop_cache
+
 
 class Drafter:
     """Interface. `draft` returns (tokens [<=k] on the device, probs [<=k, V] or None when greedy)."""
@@ -30,8 +32,6 @@ class DraftModelDrafter(Drafter):
     name = "draft-model"
 
     def __init__(self, model, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
-        from decoder.generate import as_runner
-
         self.model = as_runner(model)  # a Hugging Face model (stock) or a LeanLM
         self.device = self.model.device
         self.temperature = temperature
@@ -67,8 +67,6 @@ class DraftModelDrafter(Drafter):
         return draft, (torch.cat(probs, dim=0) if probs else None)
 
     def commit(self, tokens: list[int], n_accepted: int) -> None:
-        from decoder.generate import crop_cache
-
         # Valid prefix: the committed sequence before the step plus the accepted drafts the cache saw.
         before = len(tokens) - n_accepted - 1
         keep = before + min(n_accepted, self._last_k - 1)

@@ -15,6 +15,7 @@ import torch
 from decoder.config import DecodeConfig
 from decoder.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from decoder.profiler import DecodeStats, PhaseTimer
+from decoder.runners import HFRunner, as_runner, crop_cache  # noqa: F401 (re-exported)
 from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
 
 
@@ -22,45 +23,6 @@ from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
 class Generation:
     tokens: list[int]  # new tokens only
     stats: DecodeStats = field(default_factory=DecodeStats)
-
-
-class HFRunner:
-    """The stock path: a Hugging Face causal LM with a DynamicCache, behind the runner interface
-    (`new_cache`, `forward(ids [q], cache, last_only) -> logits [q|1, V]`) that LeanLM shares."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.config = model.config
-        self.device = next(model.parameters()).device
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
-
-    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
-        return self.model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True,
-                          logits_to_keep=1 if last_only else 0).logits[0]
-
-
-def as_runner(model):
-    """A runner for `model`: runners pass through, a Hugging Face model gets wrapped."""
-    from decoder.lean import LeanLM, StaticLeanLM
-
-    return model if isinstance(model, (HFRunner, LeanLM, StaticLeanLM)) else HFRunner(model)
-
-
-def crop_cache(cache, keep: int) -> None:
-    """Roll a cache back to its first `keep` tokens (a length change for LeanCache; transformers 5
-    crops a DynamicCache by a negative count)."""
-    from decoder.lean import LeanCache
-
-    if isinstance(cache, LeanCache):
-        cache.crop(keep)
-        return
-    drop = cache.get_seq_length() - keep
-    if drop > 0:
-        cache.crop(-drop)
 
 
 def _finish(new: list[int], cfg: DecodeConfig, eos_id: int | None) -> tuple[list[int], bool]:
