@@ -1,0 +1,86 @@
+"""The system's entry point under the workbench harness: a JSON-lines decode server.
+
+    python -m decoder.serve --target DIR [--drafter DIR] [--config system.toml]
+
+It loads the models, writes one line `{"ready": true}` and then answers requests read from stdin,
+one JSON object per line:
+
+    request:  {"id": 7, "prompt_ids": [..], "max_new_tokens": 64}
+    answer:   {"id": 7, "tokens": [..]}        or   {"id": 7, "error": "one line"}
+    request:  {"op": "quit"}                   (or end of input) ends the server
+
+Answers go to the original stdout; anything the system prints goes to stderr instead, so a stray
+print cannot corrupt the protocol. The harness times each request from outside this process, so
+nothing this process reports about its own speed is trusted; only its tokens are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from decoder.config import ConfigError, DecodeConfig
+
+
+def _answer(out, obj: dict) -> None:
+    out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m decoder.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, type=Path, help="local Hugging Face directory of the target")
+    p.add_argument("--drafter", type=Path, default=None, help="local directory of the draft model (sd only)")
+    p.add_argument("--config", type=Path, default=None, help="DecodeConfig TOML (the editable mechanism config)")
+    args = p.parse_args(argv)
+
+    # Keep the protocol channel to ourselves: print() and library chatter go to stderr.
+    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    try:
+        cfg = DecodeConfig.load(args.config) if args.config else DecodeConfig()
+    except (OSError, ConfigError) as e:
+        print(f"serve: bad config {args.config}: {e}", file=sys.stderr)
+        return 2
+
+    from decoder.generate import generate
+    from decoder.models import load_causal_lm
+
+    target = load_causal_lm(args.target, "target", cfg.dtype, cfg.device)
+    drafter = None
+    if cfg.method == "sd" and cfg.drafter == "draft-model":
+        if args.drafter is None:
+            print("serve: config uses the draft-model drafter but no --drafter was given", file=sys.stderr)
+            return 2
+        drafter = load_causal_lm(args.drafter, "drafter", cfg.dtype, cfg.device)
+    _answer(proto, {"ready": True, "config": cfg.as_dict()})
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            if req.get("op") == "quit":
+                break
+            rid = req["id"]
+            prompt = [int(t) for t in req["prompt_ids"]]
+            n = int(req["max_new_tokens"])
+        except (ValueError, KeyError, TypeError) as e:
+            _answer(proto, {"id": None, "error": f"bad request: {e!r}"[:300]})
+            continue
+        try:
+            gen = generate(dataclasses.replace(cfg, max_new_tokens=n), target, prompt, drafter)
+            _answer(proto, {"id": rid, "tokens": gen.tokens})
+        except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
+            _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

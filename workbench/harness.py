@@ -1,0 +1,321 @@
+"""The evaluation harness: runs a branch's system in a sandboxed subprocess and times it from outside.
+
+A candidate controls everything inside its own process: it may patch the clock, shadow modules or
+run code at start-up. So the harness trusts only the tokens it returns, and takes every timing
+itself, around the request/answer pair on the pipe. The process runs
+
+- with its worktree first on the import path and as its working directory,
+- with an environment stripped of secrets (`*_API_KEY`, `*_TOKEN`, `*SECRET*`, `*PASSWORD*`, ...),
+- under a time limit per request and for start-up, and a memory limit on the resident set of its
+  whole process tree (polled from outside, with an address-space rlimit as a backstop),
+- in its own session: on a limit or at the end the whole process group is killed (and, sandboxed,
+  its PID namespace with it),
+- sandboxed where the machine allows (`unshare`: new user, mount, network and PID namespaces, a root
+  holding only the worktree, the model files and the Python environment; see `_sandbox_init.py`).
+  Where no sandbox is available the report says so in capitals, and `SPECPILOT_REQUIRE_SANDBOX=1`
+  turns that into an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+SECRET_ENV = re.compile(r"(_API_KEY|_TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+SECRET_PREFIXES = ("AWS_", "OPENAI_", "ANTHROPIC_", "HF_TOKEN", "GITHUB_", "SSH_AUTH")
+NO_SANDBOX_WARNING = ("NO SANDBOX: the candidate ran with this user's full file-system and network access "
+                      "(unshare with user namespaces is unavailable here); its isolation is NOT enforced")
+_INIT = Path(__file__).with_name("_sandbox_init.py")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+# /etc files a Python process needs (no /etc/shadow, no keys).
+_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/hosts",
+        "/etc/nsswitch.conf", "/etc/localtime", "/etc/os-release", "/etc/alternatives")
+_DEV = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom", "/dev/full")
+
+
+class SystemCrash(Exception):
+    """The system under test failed: `kind` is timeout, memory, exit, protocol or start; `reason` is one line."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason.replace("\n", " ")[:400]
+
+
+@dataclass(frozen=True)
+class Limits:
+    start_s: float = 120.0  # model loading up to the ready line
+    request_s: float = 120.0  # one generation request
+    memory_mb: int = 6144  # resident set of the whole process tree
+    threads: int | None = None  # OMP/MKL threads; None = all cores of this machine
+
+    def as_dict(self) -> dict:
+        return {"start_s": self.start_s, "request_s": self.request_s, "memory_mb": self.memory_mb,
+                "threads": self.threads}
+
+
+@cache
+def sandbox_status() -> tuple[bool, str]:
+    """Whether `unshare` can build the sandbox here, and why not when it cannot."""
+    if os.environ.get("SPECPILOT_NO_SANDBOX") == "1":
+        return False, "disabled by SPECPILOT_NO_SANDBOX=1"
+    if sys.platform != "linux":
+        return False, f"no user namespaces on {sys.platform}"
+    try:
+        r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork",
+                            "true"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"unshare failed to run: {e}"
+    if r.returncode != 0:
+        return False, f"unshare refused: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
+    return True, "unshare: user, mount, network and PID namespaces"
+
+
+def clean_env(worktree: Path, threads: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The candidate's environment: this one without secrets, the worktree first on the import path."""
+    env = {k: v for k, v in os.environ.items()
+           if not SECRET_ENV.search(k) and not k.startswith(SECRET_PREFIXES)
+           and not k.startswith(("PYTHON", "SPECPILOT_", "VIRTUAL_ENV"))}
+    env.update({"PYTHONPATH": str(worktree), "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "HOME": "/tmp", "TMPDIR": "/tmp"})
+    if threads:
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    env.update(extra or {})
+    return env
+
+
+def sandbox_spec(worktree: Path, read_only: list[Path], argv: list[str], env: dict[str, str],
+                 memory_mb: int) -> dict:
+    """What the sandbox shows: system libraries, the Python environment, the models, the worktree."""
+    py_dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent.parent)}
+    ro = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/sys/devices/system/cpu", *_ETC, *_DEV,
+          *sorted(py_dirs), *(str(Path(p).resolve()) for p in read_only)]
+    return {"read_only": ro, "read_write": [str(worktree)], "cwd": str(worktree), "argv": argv, "env": env,
+            "rlimit_as": (memory_mb + 4096) * 1024 * 1024}
+
+
+def _tree_rss(root_pid: int) -> int:
+    """Resident bytes of `root_pid` and all its descendants (walked from /proc, outside the candidate)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * _PAGE
+        except OSError:
+            pass
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+@dataclass
+class Timed:
+    tokens: list[int]
+    seconds: float  # measured by the harness around the pipe round trip
+
+
+@dataclass
+class SystemProcess:
+    """One running system: start it, send generation requests, close it; raises SystemCrash on failure."""
+
+    worktree: Path
+    argv: list[str]  # e.g. [python, -m, decoder.serve, --target, ...]
+    limits: Limits = field(default_factory=Limits)
+    read_only: list[Path] = field(default_factory=list)  # model directories the system may read
+    log_path: Path | None = None
+    sandbox: bool | None = None  # None: use it where available
+    env_extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._lines: queue.Queue = queue.Queue()
+        self._killed: str | None = None
+        self._next_id = 0
+        self.sandboxed = False
+        self.sandbox_note = ""
+        self.peak_rss = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> dict:
+        ok, why = sandbox_status()
+        use = ok if self.sandbox is None else self.sandbox
+        if use and not ok:
+            raise SystemCrash("start", f"a sandbox was required but is unavailable: {why}")
+        if not use and os.environ.get("SPECPILOT_REQUIRE_SANDBOX") == "1":
+            raise SystemCrash("start", f"SPECPILOT_REQUIRE_SANDBOX=1 but no sandbox: {why}")
+        self.sandboxed, self.sandbox_note = use, (why if use else NO_SANDBOX_WARNING + f" ({why})")
+        env = clean_env(self.worktree, self.limits.threads, self.env_extra)
+        if use:
+            spec = sandbox_spec(self.worktree, self.read_only, self.argv, env, self.limits.memory_mb)
+            cmd = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
+                   sys.executable, "-I", str(_INIT), json.dumps(spec)]
+            preexec = None
+        else:
+            cmd, preexec = self.argv, self._rlimit
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         cwd=self.worktree, env=env if not use else _host_env(),
+                                         start_new_session=True, preexec_fn=preexec)
+        except OSError as e:
+            raise SystemCrash("start", f"could not start {self.argv[0]}: {e}") from None
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+        ready = self._get(self.limits.start_s, "start-up (model loading)")
+        if not ready.get("ready"):
+            self.kill("protocol")
+            raise SystemCrash("protocol", f"the system's first line was not {{\"ready\": true}}: {str(ready)[:120]}")
+        return ready
+
+    def _rlimit(self) -> None:
+        import resource
+
+        cap = (self.limits.memory_mb + 4096) * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    def kill(self, why: str) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self._killed = self._killed or why
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        """Ask the system to quit, then kill what is left of its process group."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers that left the leader behind
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait()
+
+    def __enter__(self) -> SystemProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Timed:
+        """One request, timed by the harness from writing it to reading the whole answer."""
+        assert self.proc is not None, "start() first"
+        self._next_id += 1
+        rid = self._next_id
+        line = json.dumps({"id": rid, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}).encode() + b"\n"
+        t0 = time.perf_counter()
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except OSError:
+            raise self._dead("while sending a request") from None
+        ans = self._get(self.limits.request_s, f"request {rid}")
+        seconds = time.perf_counter() - t0
+        if ans.get("id") != rid:
+            self.kill("protocol")
+            raise SystemCrash("protocol", f"answer for id {ans.get('id')!r} when {rid} was expected")
+        if "error" in ans:
+            raise SystemCrash("exit", f"the system reported an error: {ans['error']}")
+        toks = ans.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            self.kill("protocol")
+            raise SystemCrash("protocol", f"answer {rid} has no list of integer tokens")
+        return Timed(toks, seconds)
+
+    def _get(self, timeout: float, what: str) -> dict:
+        try:
+            item = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill("timeout")
+            raise SystemCrash("timeout", f"no answer to {what} within {timeout:g} s; process group killed") from None
+        if item is None:
+            raise self._dead(f"during {what}")
+        return item
+
+    def _dead(self, when: str) -> SystemCrash:
+        self.kill("exit")
+        if self._killed == "memory":
+            return SystemCrash("memory", f"resident memory {self.peak_rss / 2**20:.0f} MiB passed the "
+                                         f"{self.limits.memory_mb} MiB limit {when}; process group killed")
+        rc = self.proc.returncode if self.proc else None
+        tail = self._log_tail()
+        if rc is not None and rc < 0:
+            what = f"killed by signal {-rc}"
+        else:
+            what = f"exited with status {rc}"
+        if "MemoryError" in tail or "std::bad_alloc" in tail or "Cannot allocate memory" in tail:
+            return SystemCrash("memory", f"out of memory under the {self.limits.memory_mb} MiB limit {when} "
+                                         f"({what}): {tail}")
+        return SystemCrash("exit", f"the system {what} {when}" + (f": {tail}" if tail else ""))
+
+    def _log_tail(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip()[:200] if lines else ""
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                continue  # not protocol: ignore (the server sends prints to stderr anyway)
+            if isinstance(obj, dict):
+                self._lines.put(obj)
+        self._lines.put(None)
+
+    def _watch(self) -> None:
+        limit = self.limits.memory_mb * 2**20
+        while self.proc is not None and self.proc.poll() is None:
+            rss = _tree_rss(self.proc.pid)
+            self.peak_rss = max(self.peak_rss, rss)
+            if rss > limit:
+                self.kill("memory")
+                return
+            time.sleep(0.05)
+
+
+def _host_env() -> dict[str, str]:
+    """The environment `unshare` itself runs with (the candidate's comes from the sandbox spec)."""
+    return {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
