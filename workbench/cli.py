@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_parser(sub)  # `memory list|show|search|accept|reject`
 
     from workbench.w12_cli import add_parser as add_w12_parser
+    from workbench.workspace_cli import add_parser as add_workspace_parsers
+
+    add_workspace_parsers(sub)  # `init`, `branch`, `force`, `export`
 
     add_w12_parser(sub)  # `w12 stats`
 

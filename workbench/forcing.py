@@ -1,0 +1,291 @@
+"""Token forcing: every output token of a candidate checked against stock's greedy output.
+
+Stock's tokens for each forcing prompt (visible and hidden splits) are computed once by running the
+stock commit through the same harness, and cached in `.specpilot/stock/`, with stock's top-2 logit
+margin at every position from one teacher-forced forward of the target, and the deployment's noise
+floor (the largest logit difference between one-token and multi-token forwards, `decoder.bench`).
+
+The candidate then generates for each prompt. At the first position where its token differs from
+stock's, the mismatch is recorded, and the candidate is asked again from the prompt plus stock's
+tokens up to and including that position: stock's token is put in place and generation continues,
+so every position is checked, not only the first divergence. A mismatch whose stock margin is below
+twice the noise floor is a numerical near tie; any other is a real change. Lossless means no
+unexplained mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from workbench.harness import Limits, SystemCrash, SystemProcess
+from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
+
+STOCK_WORKTREE = "_stock"
+NOISE_CHUNKS = (2, 4, 8)
+NOISE_PROMPTS = 4
+
+
+@dataclass
+class ForcingPrompt:
+    id: str
+    split: str  # visible or hidden
+    prompt_ids: list[int]
+    stock: list[int]
+    margins: list[float]  # stock's top-2 logit margin at each generated position
+
+
+def limits_of(ws: Workspace) -> Limits:
+    lim = ws.config.limits
+    return Limits(start_s=float(lim.get("start_s", 120)), request_s=float(lim.get("request_s", 120)),
+                  memory_mb=int(lim.get("memory_mb", 4096)), threads=int(lim.get("threads", 0)) or None)
+
+
+def forcing_prompt_texts(ws: Workspace) -> list[tuple[str, str, str]]:
+    """(id, split, text) of every forcing prompt: the visible set as committed in stock, then the hidden set."""
+    out = []
+    visible = ws.repo.git.show(f"{STOCK_TAG}:prompts/visible.jsonl")
+    hidden_path = ws.hidden_prompts_path()
+    if not hidden_path.exists():
+        raise WorkspaceError(f"{hidden_path} is missing: the hidden forcing split is gone; re-create the workspace")
+    for split, text in (("visible", visible), ("hidden", hidden_path.read_text())):
+        for ln in text.splitlines():
+            if ln.strip():
+                row = json.loads(ln)
+                out.append((str(row["id"]), split, row["text"]))
+    return out
+
+
+def run_system(ws: Workspace, worktree: Path, log_name: str) -> SystemProcess:
+    return SystemProcess(worktree, ws.entry_argv(), limits_of(ws), read_only=ws.config.model_dirs(),
+                         log_path=ws.state / "logs" / f"{log_name}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+
+
+def _stock_worktree(ws: Workspace) -> Path:
+    wt = ws.worktree_path(STOCK_WORKTREE)
+    if wt.exists() and (wt / ".git").exists():
+        if ws.repo.git.execute(["git", "-C", str(wt), "rev-parse", "HEAD"]).strip() == ws.stock_commit:
+            return wt
+        ws.repo.git.worktree("remove", "--force", str(wt))
+    ws.repo.git.worktree("prune")
+    ws.repo.git.worktree("add", "--detach", str(wt), ws.stock_commit)
+    return wt
+
+
+def stock_reference(ws: Workspace, progress: bool = True) -> dict:
+    """Stock's cached reference for this workspace (computed on first use)."""
+    from decoder.models import load_tokenizer
+
+    tok = load_tokenizer(ws.config.tokenizer)
+    prompts = [(pid, split, tok.encode(text)) for pid, split, text in forcing_prompt_texts(ws)]
+    n = ws.config.forcing_max_new_tokens
+    key = hashlib.sha256(json.dumps([ws.stock_commit, n, str(ws.config.target), ws.config.dtype,
+                                     [p[2] for p in prompts]]).encode()).hexdigest()[:16]
+    path = ws.state / "stock" / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+
+    rows = []
+    with run_system(ws, _stock_worktree(ws), "stock") as sp:
+        for pid, split, ids in tqdm(prompts, desc="stock reference", disable=not progress, unit="prompt"):
+            rows.append({"id": pid, "split": split, "prompt_ids": ids, "stock": sp.generate(ids, n).tokens})
+    floor = _margins_and_noise(ws, rows)
+    ref = {"stock_commit": ws.stock_commit, "max_new_tokens": n, "noise_floor": floor, "prompts": rows}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ref))
+    os.replace(tmp, path)  # a crash leaves no half-written reference behind
+    return ref
+
+
+def _margins_and_noise(ws: Workspace, rows: list[dict]) -> float:
+    """Stock's top-2 margins from one teacher-forced forward per prompt, and the noise floor."""
+    import torch
+
+    from decoder.bench import noise_floor
+    from decoder.models import load_causal_lm
+
+    target = load_causal_lm(ws.config.target, "target", ws.config.dtype, ws.config.device)
+    device = next(target.parameters()).device
+    with torch.inference_mode():
+        for r in rows:
+            p, s = r["prompt_ids"], r["stock"]
+            if not s:
+                r["margins"] = []
+                continue
+            seq = torch.tensor([p + s[:-1]], device=device)
+            logits = target(input_ids=seq).logits[0, len(p) - 1:].float()  # predicts s[0..n-1]
+            top = torch.topk(logits, 2, dim=-1).values
+            r["margins"] = (top[:, 0] - top[:, 1]).tolist()
+        floor = noise_floor(target, [(r["prompt_ids"], r["stock"]) for r in rows[:NOISE_PROMPTS]], NOISE_CHUNKS)
+    return floor
+
+
+def _force_prompt(sp: SystemProcess, fp: dict, cap: int, tok) -> tuple[list[dict], int, float, int, int]:
+    """Check one prompt; returns mismatches, positions checked, first-pass seconds and tokens, restarts."""
+    stock, prompt = fp["stock"], fp["prompt_ids"]
+    n = len(stock)
+    mismatches: list[dict] = []
+    pos, restarts, first_s, first_tokens = 0, 0, 0.0, 0
+    while pos < n:
+        res = sp.generate(prompt + stock[:pos], n - pos)
+        if restarts == 0:
+            first_s, first_tokens = res.seconds, len(res.tokens)
+        out = res.tokens[: n - pos]
+        bad = next((j for j, t in enumerate(out) if t != stock[pos + j]), None)
+        if bad is None and len(out) == n - pos:
+            pos = n
+            break
+        j = bad if bad is not None else len(out)  # a short answer: the next position is missing
+        at = pos + j
+        cand = out[j] if bad is not None else None
+        margin = fp["margins"][at] if at < len(fp["margins"]) else None
+        mismatches.append({"prompt_id": fp["id"], "split": fp["split"], "position": at,
+                           "stock_token": stock[at], "candidate_token": cand,
+                           "stock_text": tok.decode([stock[at]]),
+                           "candidate_text": tok.decode([cand]) if cand is not None else "<end of output>",
+                           "margin": margin})
+        pos = at + 1
+        restarts += 1
+        if len(mismatches) >= cap:
+            break
+    return mismatches, pos, first_s, first_tokens, restarts
+
+
+def force(ws: Workspace, branch: str, *, progress: bool = True, record: bool = True) -> dict:
+    """Token-force a branch against stock (see `_force`); a harness error leaves the branch in status error."""
+    b = ws.branch(branch)
+    try:
+        return _force(ws, branch, progress=progress, record=record)
+    except BaseException:
+        if record and ws.branch(branch).status == "evaluating":
+            ws.end_evaluation(b, "error")
+        raise
+
+
+def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
+    """Token-force a branch against stock; the report is recorded in the workspace memory and returned.
+
+    `status` is keep (lossless), discard (unexplained mismatches), crash (the system failed: time,
+    memory, exit or protocol) or rejected (a protected path touched, or uncommitted changes).
+    """
+    from decoder.models import load_tokenizer
+
+    b = ws.branch(branch)
+    head = ws.head(branch)
+    report: dict = {"branch": branch, "commit": head, "stock_commit": ws.stock_commit}
+
+    def finish(status: str, reason: str, forcing: dict | None, metrics: dict | None = None) -> dict:
+        report.update({"status": status, "reason": reason})
+        if forcing is None:
+            report.update({"match_rate": 0.0, "positions_checked": 0, "mismatches": []})
+        if record:
+            ws.memory.add_evaluation(b.id, "forcing", status, reason, metrics=metrics or {},
+                                     forcing=report if forcing is not None else None)
+            ws.end_evaluation(b, {"keep": "forced", "discard": "mismatch", "crash": "crashed",
+                                  "rejected": "rejected"}[status])
+        return report
+
+    if record:
+        ws.begin_evaluation(b)
+    dirty = ws.uncommitted(branch)
+    if dirty:
+        return finish("rejected", f"uncommitted changes in the worktree ({', '.join(dirty[:3])}); "
+                                  f"commit them so the evaluated code is a commit", None)
+    hits = ws.protected_hits(ws.changed_paths(branch))
+    if hits:
+        return finish("rejected", f"touches protected path(s) {', '.join(hits[:3])}; not run", None)
+
+    ref = stock_reference(ws, progress)
+    tok = load_tokenizer(ws.config.tokenizer)
+    floor = float(ref["noise_floor"])
+    threshold = 2 * floor
+    cap = ws.config.max_mismatches_per_prompt
+    mismatches: list[dict] = []
+    per_split: dict[str, list[int]] = {}
+    checked = restarts = first_tokens = 0
+    first_s = 0.0
+    truncated = []
+    t0 = time.perf_counter()
+    sp = run_system(ws, ws.worktree_path(branch), branch)
+    try:
+        sp.start()
+        for fp in tqdm(ref["prompts"], desc=f"forcing {branch}", disable=not progress, unit="prompt"):
+            mm, pos, s, nt, r = _force_prompt(sp, fp, cap, tok)
+            mismatches += mm
+            checked += pos
+            first_s += s
+            first_tokens += nt
+            restarts += r
+            if pos < len(fp["stock"]):
+                truncated.append(fp["id"])
+            split = per_split.setdefault(fp["split"], [0, 0])
+            split[0] += pos
+            split[1] += len(mm)
+    except SystemCrash as e:
+        report["sandbox"] = {"enabled": sp.sandboxed, "note": sp.sandbox_note}
+        return finish("crash", f"{e.kind}: {e.reason}", None, {"kind": e.kind})
+    finally:
+        sp.close()
+
+    for m in mismatches:
+        m["near_tie"] = m["margin"] is not None and m["margin"] < threshold
+    unexplained = [m for m in mismatches if not m["near_tie"]]
+    report.update({
+        "match_rate": (checked - len(mismatches)) / checked if checked else 0.0,
+        "positions_checked": checked, "mismatches": mismatches,
+        "unexplained": len(unexplained), "near_ties": len(mismatches) - len(unexplained),
+        "noise_floor": floor, "near_tie_threshold": threshold,
+        "splits": {k: {"positions_checked": v[0], "mismatches": v[1],
+                       "match_rate": (v[0] - v[1]) / v[0] if v[0] else 0.0} for k, v in per_split.items()},
+        "prompts": len(ref["prompts"]), "restarts": restarts, "truncated_prompts": truncated,
+        "sandbox": {"enabled": sp.sandboxed, "note": sp.sandbox_note},
+        "timing": {"first_pass_tokens": first_tokens, "first_pass_seconds": first_s,
+                   "tokens_per_s": first_tokens / first_s if first_s else 0.0,
+                   "measured_by": "harness, outside the candidate process"},
+        "seconds": time.perf_counter() - t0,
+    })
+    if unexplained:
+        m0 = unexplained[0]
+        reason = (f"{len(unexplained)} unexplained mismatch(es) in {checked} positions; first at "
+                  f"{m0['prompt_id']}:{m0['position']} (stock {m0['stock_text']!r}, candidate "
+                  f"{m0['candidate_text']!r}, margin {m0['margin']:.3g} >= {threshold:.3g})")
+        status = "discard"
+    else:
+        status = "keep"
+        reason = (f"lossless: {checked} positions, {len(mismatches)} near tie(s) below margin {threshold:.3g}"
+                  if mismatches else f"token-identical to stock on {checked} positions")
+    if not sp.sandboxed:
+        reason += " [NO SANDBOX]"
+    return finish(status, reason, report, {"tokens_per_s": report["timing"]["tokens_per_s"]})
+
+
+def format_report(r: dict, limit: int = 20) -> str:
+    """The human-readable report `specpilot force` prints."""
+    lines = [f"branch {r['branch']} @ {r['commit'][:10]} vs stock @ {r['stock_commit'][:10]}: "
+             f"{r['status'].upper()} - {r['reason']}"]
+    sb = r.get("sandbox")
+    if sb and not sb["enabled"]:
+        lines.append("!! " + sb["note"])
+    if r.get("positions_checked"):
+        lines.append(f"match rate {r['match_rate']:.4f} over {r['positions_checked']} positions "
+                     f"({r['prompts']} prompts, {r['restarts']} restarts); noise floor {r['noise_floor']:.4g}, "
+                     f"near-tie margin < {r['near_tie_threshold']:.4g}")
+        for k, v in r["splits"].items():
+            lines.append(f"  {k:8s} match rate {v['match_rate']:.4f}  positions {v['positions_checked']}  "
+                         f"mismatches {v['mismatches']}")
+        lines.append(f"  speed (harness-timed, first pass): {r['timing']['tokens_per_s']:.1f} tok/s")
+    for m in r["mismatches"][:limit]:
+        kind = "near tie" if m.get("near_tie") else "REAL"
+        margin = f"{m['margin']:.4g}" if m["margin"] is not None else "-"
+        lines.append(f"  {m['prompt_id']}:{m['position']:<4d} stock {m['stock_token']:>5} {m['stock_text']!r:12s} "
+                     f"candidate {m['candidate_token'] if m['candidate_token'] is not None else '-':>5} "
+                     f"{m['candidate_text']!r:12s} margin {margin:>8s}  {kind}")
+    if len(r["mismatches"]) > limit:
+        lines.append(f"  ... {len(r['mismatches']) - limit} more (use --json)")
+    return "\n".join(lines)

@@ -1,0 +1,398 @@
+"""Workspaces: a git repository whose first commit is stock, and a worktree per candidate branch.
+
+Layout of a workspace (`specpilot init demo [PATH]`):
+
+    specpilot.toml        deployment, the system's entry point, editable config, protected paths
+    system.toml           the editable mechanism config (a DecodeConfig; stock = all mechanisms off)
+    decoder/ kernels/     the system under optimization, as shipped
+    prompts/visible.jsonl the forcing prompts agents may see
+    .specpilot/           never committed, never visible to a candidate's sandbox:
+        memory.db         the workspace memory (store.Memory)
+        hidden.jsonl      the hidden forcing split
+        stock/            stock's cached reference outputs and margins
+        worktrees/NAME    one git worktree per branch
+        logs/             each system run's stderr
+
+Branch state lives in git (branch, worktree) and in the store (round, agent, direction, status);
+`recover()` reconciles the two after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import git
+
+from store import Branch, Memory
+
+STOCK_TAG = "stock"
+MANUAL_ROUND = "manual"  # branches made by hand (`specpilot branch create`) belong to the round in this status
+NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+LIVE_STATUSES = ("evaluating",)
+
+
+class WorkspaceError(Exception):
+    """A user-facing workspace problem; the message says what to do."""
+
+
+@dataclass
+class WorkspaceConfig:
+    name: str
+    target: Path
+    drafter: Path | None
+    tokenizer: Path
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    hardware: str = "cpu-local"
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    entry: list[str] = field(default_factory=list)
+    config_file: str = "system.toml"
+    protected: list[str] = field(default_factory=list)
+    forcing_max_new_tokens: int = 64
+    max_mismatches_per_prompt: int = 16
+    limits: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> WorkspaceConfig:
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise WorkspaceError(f"{path}: cannot read ({e.strerror}); is this a workspace? "
+                                 f"create one with `specpilot init demo PATH`") from None
+        except tomllib.TOMLDecodeError as e:
+            raise WorkspaceError(f"{path}: not valid TOML ({e})") from None
+        try:
+            d, s = data["deployment"], data["system"]
+            f, lim = data.get("forcing", {}), data.get("limits", {})
+            return cls(name=d["name"], target=Path(d["target"]), drafter=Path(d["drafter"]) if d.get("drafter")
+                       else None, tokenizer=Path(d.get("tokenizer", d["target"])), dtype=d.get("dtype", "bfloat16"),
+                       device=d.get("device", "cpu"), hardware=d.get("hardware", "cpu-local"),
+                       batch_sizes=list(d.get("batch_sizes", [1])), entry=list(s["entry"]),
+                       config_file=s.get("config", "system.toml"), protected=list(s.get("protected", [])),
+                       forcing_max_new_tokens=int(f.get("max_new_tokens", 64)),
+                       max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim))
+        except KeyError as e:
+            raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
+
+    def to_toml(self) -> str:
+        def q(v) -> str:
+            return json.dumps(str(v))
+
+        lines = ["# SpecPilot workspace: the deployment, the system under optimization and its guard rails.",
+                 "[deployment]", f"name = {q(self.name)}", f"target = {q(self.target)}"]
+        if self.drafter:
+            lines.append(f"drafter = {q(self.drafter)}")
+        lines += [f"tokenizer = {q(self.tokenizer)}", f"dtype = {q(self.dtype)}", f"device = {q(self.device)}",
+                  f"hardware = {q(self.hardware)}", f"batch_sizes = {json.dumps(self.batch_sizes)}", "",
+                  "[system]", "# run as a subprocess from the branch's worktree; {target} {drafter} {python} expand",
+                  f"entry = {json.dumps(self.entry)}", f"config = {q(self.config_file)}",
+                  "# a candidate commit touching one of these is rejected before it runs",
+                  f"protected = {json.dumps(self.protected)}", "",
+                  "[forcing]", f"max_new_tokens = {self.forcing_max_new_tokens}",
+                  f"max_mismatches_per_prompt = {self.max_mismatches_per_prompt}", "", "[limits]"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in self.limits.items()]
+        return "\n".join(lines) + "\n"
+
+    def model_dirs(self) -> list[Path]:
+        return [p for p in (self.target, self.drafter, self.tokenizer) if p is not None]
+
+
+class Workspace:
+    """An open workspace: its config, git repository, memory and branches."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).resolve()
+        if not (self.path / "specpilot.toml").exists():
+            raise WorkspaceError(f"{self.path} is not a SpecPilot workspace (no specpilot.toml); "
+                                 f"create one with `specpilot init demo {path}`")
+        self.config = WorkspaceConfig.load(self.path / "specpilot.toml")
+        try:
+            self.repo = git.Repo(self.path)
+        except git.InvalidGitRepositoryError:
+            raise WorkspaceError(f"{self.path} has a specpilot.toml but is not a git repository") from None
+        self.state = self.path / ".specpilot"
+        for sub in ("stock", "worktrees", "logs"):
+            (self.state / sub).mkdir(parents=True, exist_ok=True)
+        self._memory: Memory | None = None
+
+    # -- basics ----------------------------------------------------------------------------------------
+
+    @property
+    def memory(self) -> Memory:
+        if self._memory is None:
+            self._memory = Memory(self.state / "memory.db")
+        return self._memory
+
+    def close(self) -> None:
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
+
+    @property
+    def stock_commit(self) -> str:
+        try:
+            return self.repo.commit(STOCK_TAG).hexsha
+        except (git.BadName, ValueError):
+            raise WorkspaceError(f"{self.path}: no '{STOCK_TAG}' tag; the workspace's first commit must be "
+                                 f"tagged stock") from None
+
+    def deployment_id(self) -> int:
+        m = self.memory
+        d = m.find_deployment(self.config.name)
+        if d is None:
+            c = self.config
+            d = m.add_deployment(c.name, str(c.target), drafter=str(c.drafter) if c.drafter else None,
+                                 hardware=c.hardware, dtype=c.dtype, regime={"batch_sizes": c.batch_sizes})
+        return d.id
+
+    def manual_round_id(self) -> int:
+        dep = self.deployment_id()
+        for r in self.memory.list_rounds(dep):
+            if r.status == MANUAL_ROUND:
+                return r.id
+        return self.memory.add_round(dep, status=MANUAL_ROUND, base_commit=self.stock_commit).id
+
+    def entry_argv(self) -> list[str]:
+        c = self.config
+        subs = {"{python}": sys.executable, "{target}": str(c.target), "{drafter}": str(c.drafter or ""),
+                "{config}": c.config_file}
+        out = []
+        for a in c.entry:
+            for k, v in subs.items():
+                a = a.replace(k, v)
+            out.append(a)
+        return out
+
+    def hidden_prompts_path(self) -> Path:
+        return self.state / "hidden.jsonl"
+
+    # -- branches --------------------------------------------------------------------------------------
+
+    def worktree_path(self, name: str) -> Path:
+        return self.state / "worktrees" / name
+
+    def find_branch(self, name: str) -> Branch | None:
+        rows = [b for b in self.memory.list_branches() if b.name == name and b.status != "removed"]
+        return rows[-1] if rows else None
+
+    def branch(self, name: str) -> Branch:
+        b = self.find_branch(name)
+        if b is None:
+            known = ", ".join(x.name for x in self.list_branches()) or "none"
+            raise WorkspaceError(f"no branch named {name!r} in {self.path} (known: {known}); "
+                                 f"create one with `specpilot branch create {name}`")
+        return b
+
+    def create_branch(self, name: str, *, base: str = STOCK_TAG, agent: str = "manual", direction: str = "",
+                      round_id: int | None = None) -> Branch:
+        """A new git branch from `base` with its own worktree, recorded in the store."""
+        if not name or set(name) - NAME_OK or name.startswith((".", "-")) or name == STOCK_TAG:
+            raise WorkspaceError(f"branch name {name!r} is not allowed; use letters, digits, '-', '_' and '.'")
+        if self.find_branch(name) is not None or name in self.repo.heads:
+            raise WorkspaceError(f"branch {name!r} already exists; pick another name or remove it first")
+        try:
+            base_sha = self.repo.commit(base).hexsha
+        except (git.BadName, ValueError):
+            raise WorkspaceError(f"base {base!r} is not a commit, branch or tag of this workspace") from None
+        wt = self.worktree_path(name)
+        if wt.exists():
+            shutil.rmtree(wt)  # a leftover of a crash: git no longer knows it (recover prunes)
+        self.repo.git.worktree("add", "-b", name, str(wt), base_sha)
+        return self.memory.add_branch(round_id if round_id is not None else self.manual_round_id(), name,
+                                      agent=agent, direction=direction, head_commit=base_sha, worktree_path=wt)
+
+    def head(self, name: str) -> str:
+        return self.repo.commit(name).hexsha
+
+    def list_branches(self) -> list[Branch]:
+        return [b for b in self.memory.list_branches() if b.status != "removed"]
+
+    def remove_branch(self, name: str) -> None:
+        b = self.branch(name)
+        wt = self.worktree_path(name)
+        if wt.exists():
+            self.repo.git.worktree("remove", "--force", str(wt))
+        self.repo.git.worktree("prune")
+        if name in self.repo.heads:
+            self.repo.git.branch("-D", name)
+        self.memory.update_branch(b.id, status="removed")
+        self.memory.record_event("branch.removed", f"branch {name} removed", {"branch_id": b.id})
+
+    def recover(self) -> list[str]:
+        """Reconcile git and the store after a crash; returns what was done, one line each.
+
+        - stale worktree registrations are pruned and unknown folders under worktrees/ removed;
+        - a branch the store marks `evaluating` whose harness process is gone gets a crash evaluation
+          ("interrupted") and status `interrupted`;
+        - a branch the store knows whose worktree is missing gets it back (from the git branch), or is
+          marked `lost` when the git branch itself is gone.
+        """
+        done = []
+        self.repo.git.worktree("prune")
+        known = {b.name: b for b in self.list_branches()}
+        for d in sorted((self.state / "worktrees").iterdir()):
+            registered = any(Path(w).resolve() == d.resolve() for w in self._git_worktrees())
+            if (d.name not in known and d.name != "_stock") or not registered:
+                shutil.rmtree(d, ignore_errors=True)
+                done.append(f"removed stale worktree folder {d.name}")
+        for name, b in known.items():
+            if b.status in LIVE_STATUSES and not _alive(self._lock_pid(name)):
+                self.memory.add_evaluation(b.id, "forcing", "crash",
+                                           "interrupted: the harness died during the evaluation")
+                self.memory.update_branch(b.id, status="interrupted")
+                self._lock_path(name).unlink(missing_ok=True)
+                done.append(f"branch {name}: interrupted evaluation recorded as a crash")
+            wt = self.worktree_path(name)
+            if not wt.exists():
+                if name in self.repo.heads:
+                    self.repo.git.worktree("add", str(wt), name)
+                    self.memory.update_branch(b.id, worktree_path=wt)
+                    done.append(f"branch {name}: worktree re-created from its git branch")
+                else:
+                    self.memory.update_branch(b.id, status="lost")
+                    done.append(f"branch {name}: git branch gone, marked lost")
+        for line in done:
+            self.memory.record_event("workspace.recover", line)
+        return done
+
+    def _git_worktrees(self) -> list[str]:
+        out = self.repo.git.worktree("list", "--porcelain")
+        return [ln.split(" ", 1)[1] for ln in out.splitlines() if ln.startswith("worktree ")]
+
+    # -- evaluation lock (which branch is being evaluated, by which process) ----------------------------
+
+    def _lock_path(self, name: str) -> Path:
+        return self.state / "logs" / f"{name}.evaluating"
+
+    def _lock_pid(self, name: str) -> int | None:
+        try:
+            return int(self._lock_path(name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def begin_evaluation(self, b: Branch) -> None:
+        self._lock_path(b.name).write_text(str(os.getpid()))
+        self.memory.update_branch(b.id, status="evaluating")
+
+    def end_evaluation(self, b: Branch, status: str) -> None:
+        self.memory.update_branch(b.id, status=status, head_commit=self.head(b.name))
+        self._lock_path(b.name).unlink(missing_ok=True)
+
+    # -- guard rails -----------------------------------------------------------------------------------
+
+    def changed_paths(self, name: str, base: str = STOCK_TAG) -> list[str]:
+        """Paths a branch changes against `base` (committed), plus anything uncommitted in its worktree."""
+        committed = self.repo.git.diff("--name-only", f"{base}...{name}").splitlines()
+        wt = git.Repo(self.worktree_path(name))
+        dirty = [ln[3:] for ln in wt.git.status("--porcelain", "--untracked-files=all").splitlines()]
+        return sorted(set(committed) | {d.split(" -> ")[-1] for d in dirty})
+
+    def uncommitted(self, name: str) -> list[str]:
+        wt = git.Repo(self.worktree_path(name))
+        return [ln[3:] for ln in wt.git.status("--porcelain", "--untracked-files=all").splitlines()]
+
+    def protected_hits(self, paths: list[str]) -> list[str]:
+        hits = []
+        for p in paths:
+            for rule in self.config.protected:
+                if p == rule or (rule.endswith("/") and p.startswith(rule)):
+                    hits.append(p)
+                    break
+        return hits
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+DEMO_PROTECTED = ["specpilot.toml", "prompts/", "decoder/serve.py", ".gitignore"]
+DEMO_HIDDEN = 6  # of the demo's 16 held-out code prompts, never shown to agents
+GITIGNORE = ".specpilot/\n__pycache__/\n*.pyc\n"
+WORKSPACE_README = """# SpecPilot workspace: {name}
+
+The first commit (tag `stock`) is the system as shipped. Candidates are branches, each in its own
+worktree under `.specpilot/worktrees/`. `specpilot force --workspace . --branch NAME` checks a branch
+token by token against stock; `.specpilot/` (memory, hidden prompts, stock's cached outputs) is
+never committed and never visible to a candidate.
+"""
+
+
+def default_demo_path() -> Path:
+    from store import data_dir
+
+    return data_dir() / "workspaces" / "demo"
+
+
+def _copy_package(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "assets"))
+
+
+def _split_prompts(rows: list[dict], hidden: int) -> tuple[list[dict], list[dict]]:
+    """A fixed split: the prompts whose id hashes lowest are hidden."""
+    import hashlib
+
+    order = sorted(rows, key=lambda r: hashlib.sha256(r["id"].encode()).hexdigest())
+    hidden_ids = {r["id"] for r in order[:hidden]}
+    return [r for r in rows if r["id"] not in hidden_ids], [r for r in rows if r["id"] in hidden_ids]
+
+
+def init_demo(path: str | Path | None = None) -> Workspace:
+    """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts."""
+    import decoder
+    import kernels
+    from decoder.config import DecodeConfig
+    from decoder.models import DEMO_DIR
+
+    path = Path(path) if path is not None else default_demo_path()
+    if path.exists() and any(path.iterdir()):
+        raise WorkspaceError(f"{path} exists and is not empty; pick a new folder, or open it with "
+                             f"--workspace {path} if it is already a workspace")
+    for sub in ("target", "drafter", "tokenizer", "prompts/code.jsonl"):
+        if not (DEMO_DIR / sub).exists():
+            raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
+                                 f"or reinstall specpilot")
+    path.mkdir(parents=True, exist_ok=True)
+    _copy_package(Path(decoder.__file__).parent, path / "decoder")
+    _copy_package(Path(kernels.__file__).parent, path / "kernels")
+    rows = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines() if ln.strip()]
+    visible, hidden = _split_prompts(rows, DEMO_HIDDEN)
+    (path / "prompts").mkdir()
+    (path / "prompts" / "visible.jsonl").write_text("".join(json.dumps(r) + "\n" for r in visible))
+    cfg = WorkspaceConfig(
+        name="demo", target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
+        tokenizer=(DEMO_DIR / "target").resolve(),  # the target directory carries its tokenizer
+        entry=["{python}", "-m", "decoder.serve", "--target", "{target}", "--drafter", "{drafter}",
+               "--config", "{config}"],
+        protected=list(DEMO_PROTECTED),
+        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 0})
+    (path / "specpilot.toml").write_text(cfg.to_toml())
+    DecodeConfig().save(path / cfg.config_file)
+    (path / ".gitignore").write_text(GITIGNORE)
+    (path / "README.md").write_text(WORKSPACE_README.format(name=cfg.name))
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as w:  # commits must work on a machine with no git identity
+        if not repo.config_reader().has_option("user", "email"):
+            w.set_value("user", "name", "SpecPilot").set_value("user", "email", "specpilot@localhost")
+    repo.git.add("-A")
+    repo.index.commit("stock: the demo system as shipped (decoder, kernels, config, visible prompts)")
+    repo.create_tag(STOCK_TAG)
+    ws = Workspace(path)
+    ws.hidden_prompts_path().write_text("".join(json.dumps(r) + "\n" for r in hidden))
+    ws.deployment_id()
+    ws.memory.record_event("workspace.init", f"demo workspace created at {path}",
+                           {"visible": len(visible), "hidden": len(hidden), "stock": ws.stock_commit})
+    return ws

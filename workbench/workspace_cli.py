@@ -1,0 +1,163 @@
+"""`specpilot init | branch | force | export`: workspaces, candidate branches, token forcing, patches.
+
+Exit status: 0 success (for `force`: lossless), 1 `force` found unexplained mismatches, 2 a usage
+error (one line `error: ...` on stderr), 3 `force`: the candidate crashed or was rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from workbench.cli_util import fail, run_group
+
+EXIT_MISMATCH, EXIT_CRASH = 1, 3
+
+
+def _workspace(args: argparse.Namespace):
+    from workbench.workspace import Workspace, default_demo_path
+
+    return Workspace(Path(args.workspace) if args.workspace else default_demo_path())
+
+
+def _errors():
+    from store import NotFound, StoreError
+    from workbench.harness import SystemCrash
+    from workbench.workspace import WorkspaceError
+
+    return (WorkspaceError, StoreError, NotFound, SystemCrash)
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    if args.what != "demo":
+        return fail(f"init {args.what}: unknown; available: demo (a workspace for your own system: copy the "
+                    f"demo's specpilot.toml and point it at your models and entry point)")
+    from workbench.workspace import init_demo
+
+    try:
+        ws = init_demo(args.path)
+    except _errors() as e:
+        return fail(str(e))
+    print(f"created demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
+    print(json.dumps({"workspace": str(ws.path), "stock_commit": ws.stock_commit}) if args.json else ws.path)
+    return 0
+
+
+def _cmd_branch(args: argparse.Namespace) -> int:
+    from store import to_dict
+
+    try:
+        ws = _workspace(args)
+        if args.action == "create":
+            if not args.name:
+                return fail("branch create needs a NAME")
+            b = ws.create_branch(args.name, base=args.base, direction=args.direction or "")
+            print(json.dumps(to_dict(b)) if args.json else f"{b.name}\t{b.worktree_path}")
+        elif args.action == "list":
+            rows = ws.list_branches()
+            if args.json:
+                print(json.dumps([to_dict(b) for b in rows]))
+            else:
+                for b in rows:
+                    print(f"{b.name}\t{b.status}\t{b.agent}\t{(b.head_commit or '')[:10]}\t{b.worktree_path}")
+        elif args.action == "remove":
+            if not args.name:
+                return fail("branch remove needs a NAME")
+            ws.remove_branch(args.name)
+        elif args.action == "recover":
+            done = ws.recover()
+            print(json.dumps(done) if args.json else ("\n".join(done) or "nothing to recover"))
+        elif args.action == "record":
+            from workbench.export import record_mechanism
+
+            if not (args.name and args.mechanism and args.family):
+                return fail("branch record needs NAME, --mechanism NAME and --family FAMILY")
+            m = record_mechanism(ws, args.name, args.mechanism, args.family, args.summary or "")
+            print(json.dumps(to_dict(m)) if args.json else f"mechanism {m.id} ({m.name}) recorded as candidate")
+    except _errors() as e:
+        return fail(str(e))
+    return 0
+
+
+def _cmd_force(args: argparse.Namespace) -> int:
+    from workbench.forcing import force, format_report
+
+    try:
+        ws = _workspace(args)
+        report = force(ws, args.branch, progress=not args.quiet)
+    except _errors() as e:
+        return fail(str(e))
+    print(json.dumps(report) if args.json else format_report(report))
+    return {"keep": 0, "discard": EXIT_MISMATCH}.get(report["status"], EXIT_CRASH)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from workbench.export import export
+
+    if not (args.accepted or args.mechanism):
+        return fail("export needs --accepted or --mechanism ID")
+    if not (args.out or args.branch):
+        return fail("export needs --out DIR and/or --branch NAME")
+    try:
+        ws = _workspace(args)
+        if args.mechanism:
+            ms = [ws.memory.get_mechanism(i) for i in args.mechanism]
+        else:
+            ms = ws.memory.list_mechanisms(status="accepted")
+        files = export(ws, ms, Path(args.out) if args.out else None, args.branch)
+    except _errors() as e:
+        return fail(str(e))
+    for f in files:
+        print(f)
+    if args.branch:
+        print(f"branch {args.branch}: stock + {len(ms)} mechanism(s)", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub) -> None:
+    i = sub.add_parser("init", help="create a workspace (git repository whose first commit is stock)")
+    i.add_argument("what", help="demo: the embedded demo deployment")
+    i.add_argument("path", nargs="?", help="folder to create (default: $SPECPILOT_DATA_DIR/workspaces/demo)")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_init)
+
+    def ws_arg(p) -> None:
+        p.add_argument("--workspace", help="workspace folder (default: the demo workspace)")
+        p.add_argument("--json", action="store_true", help="print JSON on stdout")
+
+    b = sub.add_parser("branch", help="candidate branches: create, list, remove, recover, record")
+    b.add_argument("action", choices=("create", "list", "remove", "recover", "record"))
+    b.add_argument("name", nargs="?")
+    b.add_argument("--base", default="stock", help="commit, branch or tag to branch from (default: stock)")
+    b.add_argument("--direction", help="what the branch explores (free text)")
+    b.add_argument("--mechanism", help="record: the mechanism's name")
+    b.add_argument("--family", help="record: its gap family")
+    b.add_argument("--summary", help="record: one line on what it does")
+    ws_arg(b)
+    b.set_defaults(func=_cmd_branch)
+
+    f = sub.add_parser("force", help="token-force a branch against stock (every position checked)")
+    f.add_argument("--branch", required=True)
+    f.add_argument("--quiet", action="store_true", help="no progress bars")
+    ws_arg(f)
+    f.set_defaults(func=_cmd_force)
+
+    e = sub.add_parser("export", help="write mechanisms as a git format-patch series on stock")
+    g = e.add_mutually_exclusive_group()
+    g.add_argument("--accepted", action="store_true", help="every accepted mechanism, oldest first")
+    g.add_argument("--mechanism", type=int, action="append", help="a mechanism id (repeatable)")
+    e.add_argument("--out", help="folder for the patch series")
+    e.add_argument("--branch", help="also keep the result as this branch of the workspace")
+    ws_arg(e)
+    e.set_defaults(func=_cmd_export)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_group(sys.argv[1] if argv is None else argv[0], add_parser,
+                     sys.argv[2:] if argv is None else argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
