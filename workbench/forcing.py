@@ -83,7 +83,8 @@ def stock_reference(ws: Workspace, progress: bool = True) -> dict:
     from decoder.models import load_tokenizer
 
     tok = load_tokenizer(ws.config.tokenizer)
-    prompts = [(pid, split, tok.encode(text)) for pid, split, text in forcing_prompt_texts(ws)]
+    prompts = [(pid, split, tok(text, add_special_tokens=False)["input_ids"])
+               for pid, split, text in forcing_prompt_texts(ws)]
     n = ws.config.forcing_max_new_tokens
     key = hashlib.sha256(json.dumps([ws.stock_commit, n, str(ws.config.target), ws.config.dtype,
                                      [p[2] for p in prompts]]).encode()).hexdigest()[:16]

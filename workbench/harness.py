@@ -172,7 +172,7 @@ class SystemProcess:
             spec = sandbox_spec(self.worktree, self.read_only, self.argv, env, self.limits.memory_mb)
             cmd = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
                    sys.executable, "-I", str(_INIT), json.dumps(spec)]
-            preexec = None
+            preexec = _die_with_parent
         else:
             cmd, preexec = self.argv, self._rlimit
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
@@ -196,6 +196,7 @@ class SystemProcess:
     def _rlimit(self) -> None:
         import resource
 
+        _die_with_parent()
         cap = (self.limits.memory_mb + 4096) * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
@@ -314,6 +315,14 @@ class SystemProcess:
                 self.kill("memory")
                 return
             time.sleep(0.05)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the harness dies (kill -9 included), so no candidate
+    outlives the evaluation that started it; sandboxed, `unshare --kill-child` then ends its namespace."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _host_env() -> dict[str, str]:

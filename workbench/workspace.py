@@ -350,8 +350,12 @@ def _split_prompts(rows: list[dict], hidden: int) -> tuple[list[dict], list[dict
     return [r for r in rows if r["id"] not in hidden_ids], [r for r in rows if r["id"] in hidden_ids]
 
 
-def init_demo(path: str | Path | None = None) -> Workspace:
-    """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts."""
+def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
+              hidden: int = DEMO_HIDDEN, limits: dict | None = None) -> Workspace:
+    """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts.
+
+    The keyword arguments shrink it (fewer prompts, shorter forcing, tighter limits), e.g. for tests.
+    """
     import decoder
     import kernels
     from decoder.config import DecodeConfig
@@ -369,7 +373,7 @@ def init_demo(path: str | Path | None = None) -> Workspace:
     _copy_package(Path(decoder.__file__).parent, path / "decoder")
     _copy_package(Path(kernels.__file__).parent, path / "kernels")
     rows = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines() if ln.strip()]
-    visible, hidden = _split_prompts(rows, DEMO_HIDDEN)
+    visible, hidden_rows = _split_prompts(rows[:prompt_limit], hidden)
     (path / "prompts").mkdir()
     (path / "prompts" / "visible.jsonl").write_text("".join(json.dumps(r) + "\n" for r in visible))
     cfg = WorkspaceConfig(
@@ -378,7 +382,8 @@ def init_demo(path: str | Path | None = None) -> Workspace:
         entry=["{python}", "-m", "decoder.serve", "--target", "{target}", "--drafter", "{drafter}",
                "--config", "{config}"],
         protected=list(DEMO_PROTECTED),
-        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 0})
+        forcing_max_new_tokens=forcing_max_new_tokens,
+        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 0, **(limits or {})})
     (path / "specpilot.toml").write_text(cfg.to_toml())
     DecodeConfig().save(path / cfg.config_file)
     (path / ".gitignore").write_text(GITIGNORE)
@@ -391,8 +396,8 @@ def init_demo(path: str | Path | None = None) -> Workspace:
     repo.index.commit("stock: the demo system as shipped (decoder, kernels, config, visible prompts)")
     repo.create_tag(STOCK_TAG)
     ws = Workspace(path)
-    ws.hidden_prompts_path().write_text("".join(json.dumps(r) + "\n" for r in hidden))
+    ws.hidden_prompts_path().write_text("".join(json.dumps(r) + "\n" for r in hidden_rows))
     ws.deployment_id()
     ws.memory.record_event("workspace.init", f"demo workspace created at {path}",
-                           {"visible": len(visible), "hidden": len(hidden), "stock": ws.stock_commit})
+                           {"visible": len(visible), "hidden": len(hidden_rows), "stock": ws.stock_commit})
     return ws
