@@ -64,3 +64,9 @@ def tiny_llama(vocab: int = 16, hidden: int = 32, layers: int = 2, seed: int = 0
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(autouse=True)
+def _private_data_dir(monkeypatch, tmp_path_factory):
+    """No test writes to the user's real data directory (global memory, hardware profiles, workspaces)."""
+    monkeypatch.setenv("SPECPILOT_DATA_DIR", str(tmp_path_factory.mktemp("specpilot-data")))

@@ -335,3 +335,14 @@ def test_cli_init_and_branch_errors_are_one_line(tmp_path):
     assert r.returncode == 0
     r = cli("branch", "list", "--workspace", str(tmp_path / "w"), "--json")
     assert [b["name"] for b in json.loads(r.stdout)] == ["b"]
+
+
+def test_accepting_in_a_workspace_carries_the_mechanism_to_the_global_memory(ws):
+    from store import Memory, global_memory_path
+
+    m = ws.memory.add_mechanism("carry-me", "drafting", "a verdict other deployments should see")
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "memory", "accept", str(m.id), "--note", "good",
+                        "--workspace", str(ws.path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "global memory" in r.stdout, r.stderr
+    with Memory(global_memory_path()) as g:
+        assert [x.status for x in g.list_mechanisms() if x.uid == m.uid] == ["accepted"]

@@ -35,7 +35,29 @@ def _open(args: argparse.Namespace) -> Memory:
     from store import Memory
 
     # Reading commands must not leave an empty database behind a mistyped path: never create here.
-    return Memory(Path(args.db) if args.db else default_db_path(), create=False)
+    return Memory(_db_path(args), create=False)
+
+
+def _db_path(args: argparse.Namespace) -> Path:
+    from store import workspace_memory_path
+
+    if getattr(args, "workspace", None):
+        return workspace_memory_path(Path(args.workspace))
+    return Path(args.db) if args.db else default_db_path()
+
+
+def publish_verdict(m: Mechanism, source: Path) -> bool:
+    """Carry an accepted or rejected mechanism from a workspace memory into the global memory, where
+    other deployments find it (transfer). Returns whether anything was copied."""
+    from store import Memory, global_memory_path
+
+    glob = global_memory_path()
+    if m.status == "candidate" or source.resolve() == glob.resolve():
+        return False
+    glob.parent.mkdir(parents=True, exist_ok=True)
+    with Memory(glob) as g:
+        g.import_mechanism(m)
+    return True
 
 
 def _best_speedup(m: Mechanism) -> float | None:
@@ -134,7 +156,9 @@ def _set_status(args: argparse.Namespace, status: str) -> int:
 
     def body(mem: Memory) -> int:
         m = mem.set_mechanism_status(args.id, status, args.note.strip())
-        _emit(args, to_dict(m), f"mechanism {m.id} ({m.name}) is now {m.status}: {m.reviewer_note}")
+        shared = publish_verdict(m, _db_path(args))
+        _emit(args, to_dict(m), f"mechanism {m.id} ({m.name}) is now {m.status}: {m.reviewer_note}"
+                                + (" (copied to the global memory)" if shared else ""))
         return 0
 
     return _run(args, body)
@@ -165,6 +189,7 @@ def add_parser(subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", help="memory database (default: ./.specpilot/memory.db if present, else the global "
                                      "memory in $SPECPILOT_DATA_DIR or ~/.local/share/specpilot)")
+    common.add_argument("--workspace", help="use this workspace's memory (PATH/.specpilot/memory.db)")
     common.add_argument("--json", action="store_true", help="print JSON on stdout")
 
     m = subparsers.add_parser("memory", help="mechanisms kept in memory: list, show, search, accept, reject")
