@@ -23,6 +23,7 @@ class Mechanism:
     applies: str  # when the mechanism can help, in one line
     summary: str
     requires: dict[str, object] = field(default_factory=dict)  # other keys it needs (e.g. method = "sd")
+    devices: tuple[str, ...] = ("cpu", "cuda")  # where it can pay off (a tuner skips it elsewhere)
 
 
 REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
@@ -49,6 +50,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         applies="bf16 target on a GPU (Triton kernel); lossless everywhere, slower on CPU (reference unpack)",
         summary="lossless 12-bit weights (kernels/w12.py): 25% fewer weight bytes per decode step",
         requires={"lean_forward": False},  # the lean forward reads fused bf16 weights
+        devices=("cuda",),
     ),
     Mechanism(
         name="lean-forward", family="host-overhead",
@@ -66,6 +68,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         summary="steps padded to verify-width buckets with tensor positions and masks (StaticLeanLM); "
                 "each bucket captured once as a CUDA graph and replayed; eager on the CPU",
         requires={"lean_forward": True},
+        devices=("cuda",),
     ),
 )}
 

@@ -7,6 +7,9 @@ one JSON object per line:
 
     request:  {"id": 7, "prompt_ids": [..], "max_new_tokens": 64}
     answer:   {"id": 7, "tokens": [..]}        or   {"id": 7, "error": "one line"}
+    optional: "config": {DecodeConfig keys} overrides the config for this request (a tuner's sweep;
+              dtype and device stay as loaded); "profile": true adds "stats" (phase seconds, target
+              forwards, drafted and accepted tokens) as the system reports them about itself
     request:  {"op": "quit"}                   (or end of input) ends the server
 
 Answers go to the original stdout; anything the system prints goes to stderr instead, so a stray
@@ -54,29 +57,42 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_causal_lm(args.target, "target", cfg.dtype, cfg.device)
     drafter = None
-    if cfg.method == "sd" and cfg.drafter == "draft-model":
-        if args.drafter is None:
-            print("serve: config uses the draft-model drafter but no --drafter was given", file=sys.stderr)
-            return 2
+    if args.drafter is not None:  # loaded even if unused now: a per-request config may switch it on
         drafter = load_causal_lm(args.drafter, "drafter", cfg.dtype, cfg.device)
+    elif cfg.method == "sd" and cfg.drafter == "draft-model":
+        print("serve: config uses the draft-model drafter but no --drafter was given", file=sys.stderr)
+        return 2
     _answer(proto, {"ready": True, "config": cfg.as_dict()})
 
     for line in sys.stdin:
         if not line.strip():
             continue
+        rid = None
         try:
             req = json.loads(line)
             if req.get("op") == "quit":
                 break
-            rid = req["id"]
+            rid = req.get("id")
             prompt = [int(t) for t in req["prompt_ids"]]
             n = int(req["max_new_tokens"])
+            over = dict(req.get("config") or {})
+            for fixed in ("dtype", "device", "max_new_tokens"):  # as loaded / as requested
+                over.pop(fixed, None)
+            rcfg = dataclasses.replace(cfg, **over, max_new_tokens=n)
         except (ValueError, KeyError, TypeError) as e:
-            _answer(proto, {"id": None, "error": f"bad request: {e!r}"[:300]})
+            _answer(proto, {"id": rid, "error": f"bad request: {e}".splitlines()[0][:300]})
             continue
         try:
-            gen = generate(dataclasses.replace(cfg, max_new_tokens=n), target, prompt, drafter)
-            _answer(proto, {"id": rid, "tokens": gen.tokens})
+            if rcfg.method == "sd" and rcfg.drafter == "draft-model" and drafter is None:
+                raise ConfigError("the draft-model drafter needs --drafter at start-up")
+            gen = generate(rcfg, target, prompt, drafter)
+            ans = {"id": rid, "tokens": gen.tokens}
+            if req.get("profile"):
+                st = gen.stats
+                ans["stats"] = {"phase_s": st.phase_s, "target_forwards": st.target_forwards,
+                                "new_tokens": st.new_tokens, "drafted": st.drafted, "accepted": st.accepted,
+                                "draft_steps": st.draft_steps, "wall_s": st.wall_s}
+            _answer(proto, ans)
         except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
             _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
     return 0

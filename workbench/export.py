@@ -32,10 +32,11 @@ def branch_patch(ws: Workspace, branch: str, base: str = STOCK_TAG) -> str:
 
 
 def record_mechanism(ws: Workspace, branch: str, name: str, gap_family: str, summary: str, *,
-                     notes: str = "", evidence: Mapping[str, Any] | None = None) -> Mechanism:
-    """A candidate mechanism from a branch: its patch, and the branch's latest forcing result as evidence."""
+                     notes: str = "", evidence: Mapping[str, Any] | None = None, base: str = STOCK_TAG) -> Mechanism:
+    """A candidate mechanism from a branch (its commits since `base`), with the branch's latest forcing
+    result as evidence unless `evidence` is given."""
     b = ws.branch(branch)
-    patch = branch_patch(ws, branch)
+    patch = branch_patch(ws, branch, base)
     items = []
     if evidence is not None:
         items.append(dict(evidence))

@@ -134,6 +134,7 @@ def _tree_rss(root_pid: int) -> int:
 class Timed:
     tokens: list[int]
     seconds: float  # measured by the harness around the pipe round trip
+    stats: dict | None = None  # the system's own account of its phases (profile=True): for direction only
 
 
 @dataclass
@@ -238,12 +239,21 @@ class SystemProcess:
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Timed:
-        """One request, timed by the harness from writing it to reading the whole answer."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, config: dict | None = None,
+                 profile: bool = False) -> Timed:
+        """One request, timed by the harness from writing it to reading the whole answer.
+
+        `config` overrides DecodeConfig keys for this request; `profile` asks for the system's phase stats.
+        """
         assert self.proc is not None, "start() first"
         self._next_id += 1
         rid = self._next_id
-        line = json.dumps({"id": rid, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}).encode() + b"\n"
+        req: dict = {"id": rid, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}
+        if config:
+            req["config"] = config
+        if profile:
+            req["profile"] = True
+        line = json.dumps(req).encode() + b"\n"
         t0 = time.perf_counter()
         try:
             self.proc.stdin.write(line)
@@ -261,7 +271,8 @@ class SystemProcess:
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             self.kill("protocol")
             raise SystemCrash("protocol", f"answer {rid} has no list of integer tokens")
-        return Timed(toks, seconds)
+        stats = ans.get("stats") if isinstance(ans.get("stats"), dict) else None
+        return Timed(toks, seconds, stats)
 
     def _get(self, timeout: float, what: str) -> dict:
         try:

@@ -1,0 +1,176 @@
+"""The built-in tuner: composes and tunes the decoder's registered mechanisms, no LLM involved.
+
+For its direction (a gap family) it reads the mechanism registry (config keys, ranges, requirements,
+devices) and the memory (configs of mechanisms accepted elsewhere for the family, tried first),
+builds candidate configs on top of the branch's current `system.toml`, and tunes them by
+successive halving: every candidate runs on a few short visible prompts, the best third goes on
+to more and longer prompts, and so on. Every run goes through the harness (timed outside the
+system, under the measurement lock) and is checked against stock's tokens on the visible prompts,
+so a config that changes the output is dropped at once. The winner, if it beats the current config
+by more than the rung's noise margin, is written to `system.toml` and committed on the branch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass
+
+import git
+
+from decoder.config import ConfigError, DecodeConfig
+from decoder.mechanisms import REGISTRY
+from workbench.agents.base import AgentContext, AgentResult
+from workbench.forcing import run_system, stock_reference
+from workbench.measure import measurement_lock
+from workbench.workspace import Workspace
+
+MAX_GRID = 12  # candidates per mechanism, sampled deterministically from larger grids
+RUNGS = ((2, 32), (4, 64), (None, 64))  # (prompts, tokens) per rung; None = every visible prompt
+KEEP = 1 / 3
+MIN_GAIN = 1.03  # the winner must beat the current config by this factor at the last rung
+
+
+@dataclass
+class Candidate:
+    changes: dict  # DecodeConfig keys changed against the branch's current config
+    source: str  # "memory:<name>" or the registry mechanism's name
+    cfg: DecodeConfig
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.cfg.as_dict(), sort_keys=True)
+
+
+def _grid(name: str, rng: random.Random) -> list[dict]:
+    m = REGISTRY[name]
+    keys = list(m.keys)
+    combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(m.keys[k] for k in keys))]
+    if len(combos) > MAX_GRID:
+        combos = [combos[0], combos[-1], *rng.sample(combos[1:-1], MAX_GRID - 2)]
+    return [{**m.requires, **c} for c in combos]
+
+
+def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 0) -> list[Candidate]:
+    """Memory's configs for the family first, then the registry's mechanisms of the family, on `base`."""
+    rng = random.Random(seed)
+    out: list[Candidate] = []
+    seen = {json.dumps(base.as_dict(), sort_keys=True)}
+    proposals: list[tuple[str, dict]] = []
+    for item in memory:
+        conf = item.get("config") or {}
+        if conf:
+            proposals.append((f"memory:{item.get('name', '?')}", conf))
+    for name, m in REGISTRY.items():
+        if m.family == family and base.device.split(":")[0] in m.devices:
+            proposals += [(name, c) for c in _grid(name, rng)]
+    for source, changes in proposals:
+        changes = {k: v for k, v in changes.items() if k in DecodeConfig.__dataclass_fields__
+                   and k not in ("dtype", "device", "max_new_tokens", "seed")}
+        try:
+            cfg = DecodeConfig(**{**base.as_dict(), **changes})
+        except (ConfigError, TypeError):
+            continue  # an incompatible combination (e.g. w12 with the lean forward)
+        c = Candidate({k: v for k, v in changes.items() if base.as_dict().get(k) != v}, source, cfg)
+        if c.key not in seen and c.changes:
+            seen.add(c.key)
+            out.append(c)
+    return out
+
+
+def mechanism_name(changes: dict) -> str:
+    """The registry mechanisms a change touches, with the values it set."""
+    names = [n for n, m in REGISTRY.items() if set(m.keys) & set(changes)]
+    vals = ",".join(f"{k}={v}" for k, v in sorted(changes.items()))
+    return f"{'+'.join(names) or 'config'}({vals})"
+
+
+class TunerAgent:
+    """Composes and tunes registered mechanisms for one direction; see the module docstring."""
+
+    name = "tuner"
+
+    def __init__(self, ws: Workspace, *, seed: int = 0, rungs: tuple = RUNGS, min_gain: float = MIN_GAIN) -> None:
+        self.ws = ws
+        self.seed = seed
+        self.rungs = rungs
+        self.min_gain = min_gain
+
+    def run(self, ctx: AgentContext) -> AgentResult:
+        from workbench.measure import load_prompts
+
+        wt = ctx.worktree
+        base = DecodeConfig.load(wt / self.ws.config.config_file)
+        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed)
+        if not cands:
+            return AgentResult(False, f"no registered mechanism for {ctx.direction.family} applies on "
+                                      f"{base.device} beyond the current config")
+        ref = {p["id"]: p for p in stock_reference(self.ws, progress=False)["prompts"] if p["split"] == "visible"}
+        threshold = 2 * float(stock_reference(self.ws, progress=False)["noise_floor"])
+        prompts = [p for p in load_prompts(self.ws) if p.id in ref]
+        limit = self.ws.config.forcing_max_new_tokens
+        ctx.log("tuner.start", f"{len(cands)} candidate configs for {ctx.direction.family}",
+                {"candidates": [c.changes for c in cands]})
+        alive = list(cands)
+        history: list[dict] = []
+        base_c = Candidate({}, "current", base)
+        with run_system(self.ws, wt, f"tuner-{ctx.branch}") as sp:
+            best_tps = base_tps = 0.0
+            for rung, (np_, n) in enumerate(self.rungs):
+                if ctx.stop.is_set():
+                    return AgentResult(False, "stopped by the engineer before a winner was found")
+                n = min(n, limit)
+                use = prompts[: np_ or len(prompts)]
+                scores: dict[str, float] = {}
+                with measurement_lock():
+                    sp.generate(use[0].ids, 4, config=base.as_dict())  # warm
+                    for c in [base_c, *alive]:
+                        tps, bad = self._score(sp, c.cfg, use, n, ref, threshold)
+                        if bad:
+                            ctx.log("tuner.drop", f"{c.changes} changes the output ({bad})", {"changes": c.changes})
+                            scores[c.key] = -1.0
+                        else:
+                            scores[c.key] = tps
+                base_tps = scores[base_c.key]
+                alive = sorted((c for c in alive if scores[c.key] > 0), key=lambda c: -scores[c.key])
+                history.append({"rung": rung, "prompts": len(use), "tokens": n, "base_tps": base_tps,
+                                "scores": [(c.changes, scores[c.key]) for c in alive]})
+                if not alive:
+                    break
+                best_tps = scores[alive[0].key]
+                if rung < len(self.rungs) - 1:
+                    alive = alive[: max(1, math.ceil(len(alive) * KEEP))]
+        ctx.log("tuner.done", f"{ctx.direction.family}: tuned", {"history": history})
+        if not alive or best_tps < base_tps * self.min_gain:
+            return AgentResult(False, f"no config beat the current one by {self.min_gain - 1:.0%} "
+                                      f"({best_tps:.1f} vs {base_tps:.1f} tok/s)", details={"history": history})
+        win = alive[0]
+        win.cfg.save(wt / self.ws.config.config_file)
+        name = mechanism_name(win.changes)
+        repo = git.Repo(wt)
+        repo.git.add(self.ws.config.config_file)
+        repo.index.commit(f"tuner ({ctx.direction.family}): {name}\n\n{best_tps:.1f} vs {base_tps:.1f} tok/s on "
+                          f"the visible prompts (harness-timed); source {win.source}")
+        return AgentResult(True, f"{name}: {best_tps / base_tps:.2f}x on the visible prompts", mechanism=name,
+                           summary=f"{ctx.direction.family}: set {win.changes} in system.toml (from {win.source})",
+                           details={"config": win.changes, "history": history, "source": win.source})
+
+    @staticmethod
+    def _score(sp, cfg: DecodeConfig, prompts, n: int, ref: dict, threshold: float) -> tuple[float, str]:
+        tokens, seconds = 0, 0.0
+        conf = cfg.as_dict()
+        for p in prompts:
+            r = sp.generate(p.ids, n, config=conf)
+            stock = ref[p.id]["stock"][:n]
+            out = r.tokens[:n]
+            if out != stock:
+                j = next((i for i, (a, b) in enumerate(zip(out, stock, strict=False)) if a != b), min(len(out),
+                                                                                                   len(stock)))
+                margin = ref[p.id]["margins"][j] if j < len(ref[p.id]["margins"]) else math.inf
+                if margin >= threshold:
+                    return 0.0, f"{p.id}:{j} margin {margin:.3g}"
+            tokens += len(r.tokens)
+            seconds += r.seconds
+        return (tokens / seconds if seconds else 0.0), ""

@@ -1,0 +1,528 @@
+"""The agentic loop: rounds of parallel agents, an evaluation cascade, integration, memory.
+
+A round:
+ 1. profile the current base through the harness and break its time per token into gaps (cost model);
+ 2. directions: the largest gap families that agents can act on, each with the decoder's mechanisms
+    for it and the mechanisms accepted on other deployments for it (those are tried first);
+ 3. K agents in parallel (an executor), each on its own branch and worktree from the base;
+ 4. the cascade per branch (`workbench.cascade`): guard rails, smoke run, token forcing, paired
+    benchmark against the base, ceiling check; keep, discard, crash or rejected with a reason;
+ 5. integration: kept branches merged into a new base (one by one on conflict; `system.toml` merged
+    key by key), the combination re-evaluated, the better of combination and best single kept;
+ 6. mechanisms recorded with their evidence (and, headless, accepted into the global memory).
+
+Everything is in the workspace memory as it happens (rounds, branches, evaluations, events), and a
+round's summary is saved after every attempt, so a killed loop resumes its interrupted round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import tomllib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import git
+
+from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
+from workbench.cascade import Attempt, evaluate
+from workbench.forcing import run_system, stock_reference
+from workbench.measure import load_prompts, paired_bench, profile_entry
+from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
+
+BASE_BRANCH = "base"
+AR_BRANCH = "reference-ar"  # stock with method = "ar": the baseline every speedup over AR is measured against
+
+
+class Executor(Protocol):
+    """Runs agents; the local one uses threads (the heavy work is in harness subprocesses). A
+    distributed executor (e.g. Ray) implements the same two methods."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, workers)
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="agent")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class LoopOptions:
+    rounds: int = 3
+    agents: int = 2
+    agent: str = "tuner"  # tuner or llm
+    budget_minutes: float = 30.0
+    auto_accept: bool = True  # headless: integrated mechanisms are accepted and carried to the global memory
+    min_gain: float = 1.02
+    llm: dict[str, Any] = field(default_factory=dict)
+    use_global_memory: bool = True
+
+
+class BudgetExhausted(Exception):
+    pass
+
+
+class Loop:
+    def __init__(self, ws: Workspace, opts: LoopOptions, progress: Callable[[str], None] | None = None,
+                 executor: Executor | None = None) -> None:
+        self.ws = ws
+        self.opts = opts
+        self.progress = progress or (lambda msg: None)
+        self.executor = executor
+        self.t0 = time.monotonic()
+        self.state_path = ws.state / "loop.json"
+        self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.dep_id = ws.deployment_id()
+        self.steering: dict[str, Any] = {}  # branch -> queue, for the TUI
+        self.stops: dict[str, Any] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def say(self, msg: str, kind: str = "loop", payload: dict | None = None) -> None:
+        self.progress(msg)
+        self.ws.memory.record_event(kind, msg, payload or {})
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        os.replace(tmp, self.state_path)
+
+    def minutes(self) -> float:
+        return (time.monotonic() - self.t0) / 60
+
+    def _check_budget(self, what: str) -> None:
+        if self.minutes() > self.opts.budget_minutes:
+            raise BudgetExhausted(f"budget of {self.opts.budget_minutes:g} min spent before {what}")
+
+    def _internal_worktree(self, name: str, commit: str) -> Path:
+        wt = self.ws.worktree_path(name)
+        if (wt / ".git").exists():
+            git.Repo(wt).git.checkout("--detach", "--force", commit)
+        else:
+            self.ws.repo.git.worktree("prune")
+            if wt.exists():
+                import shutil
+
+                shutil.rmtree(wt)
+            self.ws.repo.git.worktree("add", "--detach", str(wt), commit)
+        return wt
+
+    def _ensure_refs(self) -> None:
+        repo = self.ws.repo
+        if BASE_BRANCH not in repo.heads:
+            repo.create_head(BASE_BRANCH, self.ws.stock_commit)
+        if AR_BRANCH not in repo.heads:
+            wt = self._internal_worktree("_ar", self.ws.stock_commit)
+            cfg = wt / self.ws.config.config_file
+            text = cfg.read_text()
+            if 'method = "ar"' not in text:
+                cfg.write_text(text.replace('method = "sd"', 'method = "ar"'))
+            r = git.Repo(wt)
+            r.git.add(self.ws.config.config_file)
+            r.index.commit("reference: the AR baseline (stock with method = ar)")
+            repo.create_head(AR_BRANCH, r.head.commit.hexsha)
+
+    def base_commit(self) -> str:
+        return self.ws.repo.commit(BASE_BRANCH).hexsha
+
+    def speedup_over_ar(self, commit: str, label: str) -> dict:
+        """A paired benchmark of `commit` against the AR reference, on the visible prompts."""
+        ar_wt = self._internal_worktree("_ar", self.ws.repo.commit(AR_BRANCH).hexsha)
+        wt = self._internal_worktree("_measure", commit)
+        prompts = load_prompts(self.ws)
+        n = self.ws.config.forcing_max_new_tokens
+        with run_system(self.ws, ar_wt, "ar") as a, run_system(self.ws, wt, label) as b:
+            res = paired_bench(a, b, prompts, n)
+        self.say(f"{label}: {res.line()} over AR ({res.b_tokens_per_s:.1f} vs {res.a_tokens_per_s:.1f} tok/s)",
+                 "loop.measure", {"label": label, "commit": commit, **res.as_dict()})
+        return {"commit": commit, **res.as_dict()}
+
+    def ceiling(self) -> float:
+        from costmodel.deployment import CostDeployment
+        from costmodel.hardware import get_profile
+        from costmodel.model_profile import load_model_profile
+        from costmodel.step import Drafter
+
+        c = self.ws.config
+        try:
+            hw = get_profile(c.hardware)
+        except Exception:  # noqa: BLE001 - not measured yet: measure this machine once
+            from costmodel.hardware import measure_cpu_local, save_profile
+
+            hw = measure_cpu_local(c.target, seconds_budget=5.0)
+            save_profile(hw)
+        drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
+        dep = CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=4)
+        return dep.oracle_ceiling()
+
+    # -- directions ------------------------------------------------------------------------------------
+
+    def gaps(self, commit: str) -> dict:
+        """Profile the base through the harness and break its time per token into ranked gaps."""
+        from costmodel.gaps import measured_gaps
+        from costmodel.hardware import get_profile
+        from costmodel.model_profile import load_model_profile
+        from decoder.config import DecodeConfig
+
+        wt = self._internal_worktree("_measure", commit)
+        prompts = load_prompts(self.ws)
+        cfg = DecodeConfig.load(wt / self.ws.config.config_file)
+        with run_system(self.ws, wt, "profile") as sp:
+            sp.generate(prompts[0].ids, 4)
+            entry = profile_entry(sp, prompts, self.ws.config.forcing_max_new_tokens, cfg.draft_len)
+        context = int(sum(len(p.ids) for p in prompts) / len(prompts))
+        bd = measured_gaps(entry, get_profile(self.ws.config.hardware), load_model_profile(self.ws.config.target),
+                           context, num_prompts=len(prompts))
+        return {"entry": entry, "breakdown": bd.as_dict()}
+
+    def directions(self, breakdown: dict, exhausted: set[str]) -> list[Direction]:
+        from decoder.config import DecodeConfig
+        from decoder.mechanisms import REGISTRY
+
+        device = DecodeConfig.load(self.ws.path / self.ws.config.config_file).device.split(":")[0]
+        fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
+        out = []
+        for fam, ms in fams:
+            if fam in exhausted:
+                continue
+            mechs = [{"name": m.name, "keys": {k: list(v) for k, v in m.keys.items()}, "applies": m.applies,
+                      "summary": m.summary} for m in REGISTRY.values() if m.family == fam and device in m.devices]
+            memory = self._memory_for(fam)
+            if self.opts.agent == "tuner" and not mechs and not memory:
+                continue  # the tuner has nothing to turn for this family
+            gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
+            out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
+        # families where other deployments already found something go first among equals
+        out.sort(key=lambda d: (not d.memory, -d.gap_ms))
+        return out[: self.opts.agents]
+
+    def _memory_for(self, family: str) -> list[dict]:
+        if not self.opts.use_global_memory:
+            return []
+        from store import Memory, global_memory_path
+
+        path = global_memory_path()
+        if not path.exists():
+            return []
+        with Memory(path) as g:
+            ms = g.mechanisms_for_family(family, exclude_deployment=self.ws.config.name)
+        items = []
+        for m in ms:
+            conf = next((e.get("config") for e in m.evidence if e.get("config")), None)
+            items.append({"name": m.name, "summary": m.summary, "config": conf or {}, "uid": m.uid,
+                          "evidence": m.evidence, "patch": m.patch[:4000]})
+        return items
+
+    # -- agents ----------------------------------------------------------------------------------------
+
+    def make_agent(self) -> Agent:
+        if self.opts.agent == "tuner":
+            from workbench.agents.tuner import TunerAgent
+
+            return TunerAgent(self.ws)
+        if self.opts.agent == "llm":
+            from workbench.agents.llm import LLMAgent, LLMConfig
+
+            return LLMAgent(LLMConfig.load(self.opts.llm or None))
+        raise WorkspaceError(f"--agent {self.opts.agent}: unknown; use tuner or llm")
+
+    def _smoke(self, branch: str) -> Callable[[], SmokeResult]:
+        def smoke() -> SmokeResult:
+            from workbench.cascade import smoke_run
+
+            ok, msg = smoke_run(self.ws, self.ws.worktree_path(branch), branch, commit_only=False)
+            return SmokeResult(ok, msg)
+
+        return smoke
+
+    def _run_agent(self, agent: Agent, branch: str, d: Direction, gaps: dict, visible: list[dict]) -> AgentResult:
+        import queue
+        import threading
+
+        q: queue.Queue[str] = self.steering.setdefault(branch, queue.Queue())
+        stop = self.stops.setdefault(branch, threading.Event())
+        b = self.ws.branch(branch)
+
+        def log(kind: str, message: str, payload: dict) -> None:
+            self.ws.memory.record_event(kind, f"{branch}: {message}", {"branch_id": b.id, **payload})
+
+        ctx = AgentContext(branch, self.ws.worktree_path(branch), d, gaps["breakdown"]["gaps"], visible,
+                           self._smoke(branch), log, q, stop)
+        self.ws.memory.update_branch(b.id, status="running")
+        try:
+            return agent.run(ctx)
+        except Exception as e:  # noqa: BLE001 - an agent's failure is an attempt's result, not the loop's
+            return AgentResult(False, f"agent failed: {type(e).__name__}: {e}".splitlines()[0][:300])
+
+    # -- a round ---------------------------------------------------------------------------------------
+
+    def run_round(self, index: int, resume: dict | None = None) -> dict:
+        self._check_budget(f"round {index}")
+        base = self.base_commit()
+        if resume is None:
+            rnd = self.ws.memory.add_round(self.dep_id, status="running", base_commit=base,
+                                           summary={"index": index, "attempts": []})
+            summary: dict[str, Any] = {"index": index, "base_commit": base, "attempts": []}
+        else:
+            rnd = self.ws.memory.get_round(resume["round_id"])
+            summary = dict(rnd.summary)
+            base = rnd.base_commit or base
+            self.say(f"round {index}: resuming ({len(summary.get('attempts', []))} attempts already done)")
+        summary["round_id"] = rnd.id
+        self.state["current_round"] = {"index": index, "round_id": rnd.id}
+        self._save_state()
+
+        if "gaps" not in summary:
+            self.say(f"round {index}: profiling base {base[:10]}")
+            summary["gaps"] = self.gaps(base)
+            self.ws.memory.update_round(rnd.id, summary=summary)
+        gaps = summary["gaps"]
+        bd = gaps["breakdown"]
+        top = ", ".join(f"{g['family']} {g['ms_per_token']:.2f}" for g in bd["gaps"][:4])
+        self.say(f"round {index}: base {gaps['entry']['tokens_per_s']:.1f} tok/s; largest gaps (ms/token): {top}")
+        exhausted = set(self.state.get("exhausted", []))
+        if "directions" not in summary:
+            dirs = self.directions(bd, exhausted)
+            summary["directions"] = [d.as_dict() for d in dirs]
+            self.ws.memory.update_round(rnd.id, summary=summary)
+        dirs = [Direction(**d) for d in summary["directions"]]
+        if not dirs:
+            self.say(f"round {index}: no direction left to explore")
+        done = {a["branch"] for a in summary["attempts"]}
+        visible = [{"id": p.id, "text": None} for p in load_prompts(self.ws)]
+        vis_text = self._visible_texts()
+        for v in visible:
+            v["text"] = vis_text.get(v["id"], "")
+        agent = self.make_agent()
+        base_ar = self.state.get("base_speedup_over_ar", 1.0)
+        ceiling = self.state.get("ceiling") or self.ceiling()
+        self.state["ceiling"] = ceiling
+
+        todo = []
+        for d in dirs:
+            name = f"r{index}-{d.family}-{agent.name}"
+            if name in done:
+                continue
+            if self.ws.find_branch(name) is not None:
+                self.ws.remove_branch(name)  # an interrupted attempt: start it over
+            self.ws.create_branch(name, base=base, agent=agent.name, direction=d.family, round_id=rnd.id)
+            todo.append((name, d))
+        executor = self.executor or LocalExecutor(min(len(todo) or 1, self.opts.agents, os.cpu_count() or 1))
+        try:
+            futures = {name: executor.submit(self._run_agent, agent, name, d, gaps, visible) for name, d in todo}
+            for name, d in todo:
+                res: AgentResult = futures[name].result()
+                self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
+                         {"branch": name, "committed": res.committed})
+                att = self._attempt(name, d, agent.name, res, base, base_ar, ceiling)
+                summary["attempts"].append(att)
+                self.ws.memory.update_round(rnd.id, summary=summary)  # saved after every attempt
+        finally:
+            if self.executor is None:
+                executor.shutdown()
+
+        kept = [a for a in summary["attempts"] if a["status"] == "keep"]
+        if "integration" not in summary:
+            summary["integration"] = self.integrate(index, rnd.id, base, kept, base_ar, ceiling)
+            self.ws.memory.update_round(rnd.id, summary=summary)
+        integ = summary["integration"]
+        if integ["commit"] != base:
+            self.ws.repo.git.branch("-f", BASE_BRANCH, integ["commit"])
+            self.state["base_speedup_over_ar"] = base_ar * integ["speedup"]
+            self.state["exhausted"] = []
+        else:
+            self.state["exhausted"] = sorted(exhausted | {d.family for d in dirs})
+        summary["best_speedup_over_ar"] = self.state.get("base_speedup_over_ar", base_ar)
+        self.ws.memory.update_round(rnd.id, status="done", summary=summary)
+        self.state.pop("current_round", None)
+        self.state.setdefault("rounds_done", []).append(rnd.id)
+        self._save_state()
+        return summary
+
+    def _visible_texts(self) -> dict[str, str]:
+        text = self.ws.repo.git.show(f"{STOCK_TAG}:prompts/visible.jsonl")
+        return {str(r["id"]): r["text"] for r in map(json.loads, filter(str.strip, text.splitlines()))}
+
+    def _attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
+                 ceiling: float) -> dict:
+        b = self.ws.branch(name)
+        if not res.committed or self.ws.head(name) == base:
+            self.ws.memory.add_evaluation(b.id, "agent", "discard", res.message or "no change committed")
+            self.ws.memory.update_branch(b.id, status="discarded")
+            return {"branch": name, "agent": agent, "direction": d.family, "status": "discard",
+                    "reason": f"no change: {res.message}", "speedup": None, "details": res.details}
+        att: Attempt = evaluate(self.ws, name, base, base_ar, ceiling, min_gain=self.opts.min_gain,
+                                progress=self.say)
+        out = {"branch": name, "agent": agent, "direction": d.family, "status": att.status, "reason": att.reason,
+               "speedup": att.speedup, "speedup_over_ar": att.speedup_over_ar, "mechanism": res.mechanism,
+               "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95}
+        self.say(f"  {name}: {att.status}: {att.reason}", "loop.attempt", out)
+        return out
+
+    # -- integration -----------------------------------------------------------------------------------
+
+    def integrate(self, index: int, round_id: int, base: str, kept: list[dict], base_ar: float,
+                  ceiling: float) -> dict:
+        if not kept:
+            return {"commit": base, "speedup": 1.0, "merged": [], "note": "nothing kept"}
+        kept = sorted(kept, key=lambda a: -(a["speedup"] or 0))
+        best = kept[0]
+        if len(kept) == 1:
+            chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"], "merged": [best["branch"]]}
+        else:
+            name = f"r{index}-combined"
+            if self.ws.find_branch(name) is not None:
+                self.ws.remove_branch(name)
+            self.ws.create_branch(name, base=base, agent="integrator", direction="+".join(a["direction"] for a in kept),
+                                  round_id=round_id)
+            wt = git.Repo(self.ws.worktree_path(name))
+            merged, skipped = [], []
+            for a in kept:
+                ok, why = merge_branch(wt, a["branch"], self.ws.config.config_file)
+                (merged if ok else skipped).append(a["branch"] if ok else f"{a['branch']} ({why})")
+            if len(merged) < 2:
+                chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"],
+                          "merged": [best["branch"]], "skipped": skipped}
+            else:
+                att = evaluate(self.ws, name, base, base_ar, ceiling, min_gain=self.opts.min_gain, progress=self.say)
+                self.say(f"  {name} ({' + '.join(merged)}): {att.status}: {att.reason}")
+                if att.status == "keep" and (att.speedup or 0) >= best["speedup"]:
+                    chosen = {"commit": self.ws.head(name), "speedup": att.speedup, "merged": merged,
+                              "skipped": skipped}
+                else:
+                    chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"],
+                              "merged": [best["branch"]], "skipped": skipped,
+                              "note": f"combination {att.status} ({att.reason}); best single kept"}
+        for a in kept:
+            if a["branch"] in chosen["merged"]:
+                self._record(a, base, index)
+        self.say(f"round {index}: base -> {chosen['commit'][:10]} ({chosen['speedup']:.3f}x over the old base; "
+                 f"merged {', '.join(chosen['merged'])})", "loop.integrate", chosen)
+        return chosen
+
+    def _record(self, a: dict, base: str, index: int) -> None:
+        from workbench.export import record_mechanism
+        from workbench.memory_cli import publish_verdict
+
+        ev = {"deployment": self.ws.config.name, "speedup": a["speedup"], "speedup_over_ar": a.get("speedup_over_ar"),
+              "round": index, "branch": a["branch"], "forcing": "clean", "config": a.get("config") or {}}
+        m = record_mechanism(self.ws, a["branch"], a.get("mechanism") or a["branch"], a["direction"],
+                             a.get("summary") or a["reason"], evidence=ev, base=base)
+        a["mechanism_id"] = m.id
+        if self.opts.auto_accept:
+            note = f"auto: kept and integrated in round {index} ({a['speedup']:.3f}x over its base, forcing clean)"
+            m = self.ws.memory.set_mechanism_status(m.id, "accepted", note)
+            publish_verdict(m, self.ws.state / "memory.db")
+
+    # -- the whole loop --------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self._ensure_refs()
+        self.say(f"loop on {self.ws.config.name}: {self.opts.rounds} rounds x {self.opts.agents} {self.opts.agent} "
+                 f"agents, budget {self.opts.budget_minutes:g} min")
+        stock_reference(self.ws, progress=False)
+        status = "done"
+        rounds: list[dict] = []
+        try:
+            if "stock" not in self.state:
+                self._check_budget("measuring stock")
+                self.state["stock"] = self.speedup_over_ar(self.ws.stock_commit, "stock")
+                self.state["base_speedup_over_ar"] = self.state["stock"]["speedup"]
+                self._save_state()
+            prior = [r for r in self.ws.memory.list_rounds(self.dep_id) if r.status in ("done", "running")
+                     and "index" in r.summary]
+            for r in prior:
+                if r.status == "done":
+                    rounds.append(r.summary)
+            start = max((r.summary["index"] for r in prior), default=0)
+            current = self.state.get("current_round")
+            if current:
+                rounds.append(self.run_round(current["index"], resume=current))
+                start = current["index"]
+            for index in range(start + 1, self.opts.rounds + 1):
+                rounds.append(self.run_round(index))
+        except BudgetExhausted as e:
+            status = "budget"
+            self.say(str(e))
+        final = self.base_commit()
+        if final == self.ws.stock_commit:
+            final_m = self.state["stock"]
+        elif self.state.get("final", {}).get("commit") == final:
+            final_m = self.state["final"]
+        else:
+            final_m = self.speedup_over_ar(final, "final")
+            self.state["final"] = final_m
+            self._save_state()
+        accepted = [{"id": m.id, "name": m.name, "family": m.gap_family, "uid": m.uid,
+                     "speedup": next((e.get("speedup") for e in m.evidence), None)}
+                    for m in self.ws.memory.list_mechanisms(status="accepted")]
+        return {
+            "workspace": str(self.ws.path), "deployment": self.ws.config.name, "status": status,
+            "stock_speedup": self.state["stock"]["speedup"], "final_speedup": final_m["speedup"],
+            "improvement": final_m["speedup"] / self.state["stock"]["speedup"],
+            "stock_ci95": self.state["stock"]["ci95"], "final_ci95": final_m["ci95"],
+            "stock_commit": self.ws.stock_commit, "final_commit": final,
+            "rounds": [{"index": r["index"], "base_commit": r.get("base_commit"),
+                        "best_speedup_over_ar": r.get("best_speedup_over_ar"),
+                        "directions": [d["family"] for d in r.get("directions", [])],
+                        "integration": {k: v for k, v in (r.get("integration") or {}).items()},
+                        "attempts": [{k: a.get(k) for k in ("branch", "agent", "direction", "status", "reason",
+                                                            "speedup", "speedup_over_ar", "mechanism")}
+                                     for a in r.get("attempts", [])]} for r in rounds],
+            "accepted_mechanisms": accepted, "ceiling": self.state.get("ceiling"),
+            "minutes": round(self.minutes(), 2),
+        }
+
+
+def merge_branch(wt: git.Repo, branch: str, config_file: str) -> tuple[bool, str]:
+    """Merge `branch` into the worktree's HEAD; a conflict confined to the TOML config is merged key by key."""
+    try:
+        wt.git.merge("--no-ff", "--no-edit", "-m", f"integrate {branch}", branch)
+        return True, ""
+    except git.GitCommandError:
+        pass
+    conflicted = wt.git.diff("--name-only", "--diff-filter=U").splitlines()
+    if conflicted != [config_file]:
+        wt.git.merge("--abort")
+        return False, f"conflicts in {', '.join(conflicted) or 'the tree'}"
+    base_sha = wt.git.merge_base("HEAD", branch)
+    try:
+        b, o, t = (tomllib.loads(wt.git.show(f"{ref}:{config_file}")) for ref in (base_sha, "HEAD", branch))
+    except tomllib.TOMLDecodeError as e:
+        wt.git.merge("--abort")
+        return False, f"{config_file} is not TOML on one side ({e})"
+    merged = {}
+    for k in sorted(set(b) | set(o) | set(t)):
+        bv, ov, tv = b.get(k), o.get(k), t.get(k)
+        if ov == tv or tv == bv:
+            merged[k] = ov
+        elif ov == bv:
+            merged[k] = tv
+        else:
+            wt.git.merge("--abort")
+            return False, f"both set {k} ({ov!r} vs {tv!r})"
+    from decoder.config import DecodeConfig
+
+    try:
+        cfg = DecodeConfig(**{k: v for k, v in merged.items() if v is not None})
+    except Exception as e:  # noqa: BLE001 - ConfigError or an unknown key: not mergeable
+        wt.git.merge("--abort")
+        return False, f"merged config is invalid: {e}"
+    cfg.save(Path(wt.working_tree_dir) / config_file)
+    wt.git.add(config_file)
+    wt.git.commit("--no-edit", "-m", f"integrate {branch} ({config_file} merged key by key)")
+    return True, "config merged key by key"

@@ -1,0 +1,157 @@
+"""Measurements through the harness: a system's profile (for the gap breakdown) and paired benchmarks.
+
+Every time here is taken by the harness around the request pipe, never inside the candidate. Timed
+work holds the machine's measurement lock (a file lock in the data directory), so two agents never
+time their systems at once on the same cores.
+
+A paired benchmark runs two systems side by side on the same prompts, interleaved A B B A, pass
+after pass, until the 95% confidence interval of the time ratio is tight (half-width under
+`rel_ci` of the ratio) or the budget ends. `speedup` is time(A) / time(B): B's speedup over A.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workbench.harness import SystemProcess
+
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+_local_lock = threading.Lock()
+
+
+@contextmanager
+def measurement_lock() -> Iterator[None]:
+    """Exclusive use of the machine for timed work: across threads here and processes elsewhere."""
+    from store import data_dir
+
+    path = data_dir() / "measure.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _local_lock, open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+def profile_entry(sp: SystemProcess, prompts: list[Prompt], n: int, draft_len: int) -> dict:
+    """A `specpilot bench`-style method entry for the running system: tokens/s timed by the harness,
+    phases as the system reports them (scaled to the harness's time), for `costmodel.measured_gaps`."""
+    tokens = 0
+    seconds = 0.0
+    phases: dict[str, float] = {}
+    fwd = drafted = accepted = 0
+    with measurement_lock():
+        for p in prompts:
+            r = sp.generate(p.ids, n, profile=True)
+            tokens += len(r.tokens)
+            seconds += r.seconds
+            st = r.stats or {}
+            for k, v in (st.get("phase_s") or {}).items():
+                phases[k] = phases.get(k, 0.0) + float(v)
+            fwd += int(st.get("target_forwards", 0))
+            drafted += int(st.get("drafted", 0))
+            accepted += int(st.get("accepted", 0))
+    steps = max(fwd - len(prompts), 1)
+    tau = tokens / steps if fwd else 1.0
+    return {"name": "base", "tokens_per_s": tokens / seconds if seconds else 0.0, "tau": tau,
+            "draft_len": draft_len if drafted else 0, "target_forwards": fwd, "new_tokens": tokens,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "phase_ms_per_token": {k: 1000.0 * v / tokens for k, v in phases.items()} if tokens else {},
+            "seconds": seconds}
+
+
+@dataclass
+class PairResult:
+    speedup: float  # time(A) / time(B)
+    ci_low: float
+    ci_high: float
+    passes: int
+    a_tokens_per_s: float
+    b_tokens_per_s: float
+    ratios: list[float] = field(default_factory=list)
+    mismatched_prompts: list[str] = field(default_factory=list)  # where A's and B's tokens differ
+
+    def as_dict(self) -> dict:
+        return {"speedup": self.speedup, "ci95": [self.ci_low, self.ci_high], "passes": self.passes,
+                "a_tokens_per_s": self.a_tokens_per_s, "b_tokens_per_s": self.b_tokens_per_s,
+                "ratios": self.ratios, "mismatched_prompts": self.mismatched_prompts}
+
+    def line(self) -> str:
+        return f"{self.speedup:.3f}x [{self.ci_low:.3f}, {self.ci_high:.3f}] over {self.passes} passes"
+
+
+def _ci(ratios: list[float]) -> tuple[float, float, float]:
+    m = statistics.fmean(ratios)
+    if len(ratios) < 2:
+        return m, 0.0, math.inf
+    half = _T95.get(len(ratios) - 1, 2.0) * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    return m, m - half, m + half
+
+
+def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: int, *, min_passes: int = 3,
+                 max_passes: int = 8, rel_ci: float = 0.02, budget_s: float = 300.0,
+                 config_a: dict | None = None, config_b: dict | None = None) -> PairResult:
+    """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends."""
+    ratios: list[float] = []
+    ta_all = tb_all = 0.0
+    tok_a = tok_b = 0
+    mismatched: set[str] = set()
+    t0 = time.perf_counter()
+    with measurement_lock():
+        for p in prompts[:1]:  # warm both (lazy initialisation, caches) outside the measurement
+            a.generate(p.ids, min(n, 8), config=config_a)
+            b.generate(p.ids, min(n, 8), config=config_b)
+        for i in range(max_passes):
+            ta = tb = 0.0
+            for j, p in enumerate(prompts):
+                order = (a, b) if (i + j) % 2 == 0 else (b, a)  # A B, then B A: drift cancels
+                res = {}
+                for sp in order:
+                    res[id(sp)] = sp.generate(p.ids, n, config=config_a if sp is a else config_b)
+                ra, rb = res[id(a)], res[id(b)]
+                ta += ra.seconds
+                tb += rb.seconds
+                tok_a += len(ra.tokens)
+                tok_b += len(rb.tokens)
+                if ra.tokens != rb.tokens:
+                    mismatched.add(p.id)
+            ta_all += ta
+            tb_all += tb
+            ratios.append(ta / tb if tb > 0 else math.inf)
+            m, lo, hi = _ci(ratios)
+            if i + 1 >= min_passes and (hi - lo) / 2 <= rel_ci * m:
+                break
+            if time.perf_counter() - t0 > budget_s and i + 1 >= 2:
+                break
+    m, lo, hi = _ci(ratios)
+    return PairResult(m, lo, hi, len(ratios), tok_a / ta_all if ta_all else 0.0, tok_b / tb_all if tb_all else 0.0,
+                      ratios, sorted(mismatched))
+
+
+def load_prompts(ws, which: str = "visible") -> list[Prompt]:
+    """The workspace's visible forcing prompts, tokenized (agents and benchmarks never get the hidden ones)."""
+    from decoder.models import load_tokenizer
+    from workbench.forcing import forcing_prompt_texts
+
+    tok = load_tokenizer(ws.config.tokenizer)
+    return [Prompt(pid, tok(text, add_special_tokens=False)["input_ids"])
+            for pid, split, text in forcing_prompt_texts(ws) if split == which]
+
+
+def worktree_exists(path: Path) -> bool:
+    return (path / ".git").exists()
