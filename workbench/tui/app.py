@@ -1,0 +1,587 @@
+"""`specpilot-tui [--workspace PATH]`: the Textual workbench over one workspace.
+
+Tabs: Overview (deployment, gap breakdown, speedup across rounds, round progress), Branches (launch,
+steer, stop, merge, diff, forcing), Forcing (stock vs candidate tokens, n / p between mismatches),
+Memory (search, accept / reject with a note, export) and Log (the store's events as they happen).
+
+Every SQLite, git and process call runs in a thread worker that reports back with a message; the
+store is polled about once a second, so the app shows the same whether the loop runs here, headless
+(`specpilot-tui --auto`) or elsewhere. A failed worker becomes a notification, never a traceback.
+`make_app` builds the app for the CLI and the tests alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import (
+    DataTable,
+    Footer,
+    Header,
+    HelpPanel,
+    Input,
+    Label,
+    ProgressBar,
+    Select,
+    TabbedContent,
+    TabPane,
+)
+from textual.worker import Worker, WorkerState
+
+from workbench.tui import data
+from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen, TextViewScreen
+from workbench.tui.widgets import BranchesPane, ForcingPane, LogPane, MemoryPane, OverviewPane
+
+TABS = (("overview", "Overview"), ("branches", "Branches"), ("forcing", "Forcing"), ("memory", "Memory"),
+        ("log", "Log"))
+
+
+# -- messages from workers -------------------------------------------------------------------------------
+
+
+class Opened(Message):
+    def __init__(self, ws: Any) -> None:
+        super().__init__()
+        self.ws = ws
+
+
+class Opening(Message):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class Polled(Message):
+    def __init__(self, snap: data.Snapshot) -> None:
+        super().__init__()
+        self.snap = snap
+
+
+class ForcingLoaded(Message):
+    def __init__(self, branch: str, report: dict | None) -> None:
+        super().__init__()
+        self.branch, self.report = branch, report
+
+
+class MechanismsLoaded(Message):
+    def __init__(self, mechanisms: list) -> None:
+        super().__init__()
+        self.mechanisms = mechanisms
+
+
+class Done(Message):
+    """An action finished: say so, and refresh what it changed."""
+
+    def __init__(self, text: str, refresh: str = "") -> None:
+        super().__init__()
+        self.text, self.refresh = text, refresh
+
+
+class ShowText(Message):
+    def __init__(self, title: str, text: str, diff: bool = False) -> None:
+        super().__init__()
+        self.title, self.text, self.diff = title, text, diff
+
+
+class LaunchChoices(Message):
+    def __init__(self, directions: list[tuple[str, float | None]]) -> None:
+        super().__init__()
+        self.directions = directions
+
+
+class LaunchFinished(Message):
+    def __init__(self, branch: str, attempt: dict) -> None:
+        super().__init__()
+        self.branch, self.attempt = branch, attempt
+
+
+# -- the command palette ---------------------------------------------------------------------------------
+
+
+class SpecPilotCommands(Provider):
+    """The actions that fit the current state: selected branch, running agents, selected mechanism."""
+
+    def commands(self) -> list[tuple[str, Callable[[], Any], str]]:
+        app = self.app
+        assert isinstance(app, SpecPilotApp)
+        out: list[tuple[str, Callable[[], Any], str]] = [
+            (f"Go to {label}", partial(app.show_tab, tab), f"show the {label} tab") for tab, label in TABS]
+        if app.ws is None:
+            return out
+        out.append(("Launch an agent on a direction", app.action_launch, "tuner or LLM agent, one gap family"))
+        for b, launch in app.launches.items():
+            if b in app.live and launch.kind == "llm":
+                out.append((f"Steer {b}", partial(app.steer_branch, b), "send the running LLM agent a message"))
+            if b in app.live:
+                out.append((f"Stop {b}", partial(app.stop_branch, b), "stop the running agent (asks first)"))
+        sel = app.selected_branch()
+        if sel:
+            out += [(f"Merge {sel} into base", partial(app.merge_branch, sel), "git merge, asks first"),
+                    (f"Diff of {sel} against stock", partial(app.diff_branch, sel), "git diff stock...branch"),
+                    (f"Forcing report of {sel}", partial(app.open_forcing, sel), "stock vs candidate tokens")]
+        mid = app.selected_mechanism()
+        if mid is not None:
+            m = app.mechanisms.get(mid)
+            name = f"{mid} ({m.name})" if m else str(mid)
+            if m is None or m.status != "accepted":
+                out.append((f"Accept mechanism {name}", partial(app.verdict, mid, "accepted"), "with a note"))
+            if m is None or m.status != "rejected":
+                out.append((f"Reject mechanism {name}", partial(app.verdict, mid, "rejected"), "with a note"))
+        if any(m.status == "accepted" for m in app.mechanisms.values()):
+            out.append(("Export accepted mechanisms", app.action_export, "a git format-patch series to a folder"))
+        return out
+
+    async def discover(self) -> Hits:
+        for name, cb, help_text in self.commands():
+            yield DiscoveryHit(name, cb, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, cb, help_text in self.commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), cb, help=help_text)
+
+
+# -- the app ---------------------------------------------------------------------------------------------
+
+
+class SpecPilotApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "SpecPilot"
+    COMMANDS = App.COMMANDS | {SpecPilotCommands}
+    BINDINGS = [
+        Binding("question_mark", "toggle_keys", "Keys", id="app.keys", tooltip="show the keys that work here"),
+        Binding("ctrl+p", "command_palette", "Commands", id="app.commands", show=False,
+                tooltip="the actions that fit now"),
+        Binding("q", "quit", "Quit", id="app.quit", tooltip="quit (running agents are stopped)"),
+        *[Binding(str(i + 1), f"show_tab('{tab}')", label, id=f"app.tab.{tab}", show=False,
+                  tooltip=f"the {label} tab") for i, (tab, label) in enumerate(TABS)],
+    ]
+
+    def __init__(self, workspace: Path, *, create_demo: bool = False, demo_options: dict | None = None,
+                 poll_s: float = 1.0, blink: bool = True) -> None:
+        super().__init__()
+        self.workspace_path = workspace
+        self.create_demo = create_demo
+        self.demo_options = demo_options or {}
+        self.poll_s = poll_s
+        self.blink = blink
+        self.ws: Any = None  # workbench.workspace.Workspace, opened in a worker
+        self.last_event_id: int | None = None
+        self.snapshot: data.Snapshot | None = None
+        self.launches: dict[str, data.Launch] = {}
+        self.live: set[str] = set()
+        self.mechanisms: dict[int, Any] = {}
+        self.forcing_branch: str | None = None
+        self.polls = 0  # completed polls (tests wait on this)
+        self._polling = False
+        self._forcing_seq = 0
+
+    # -- layout ----------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Vertical(id="opening"):
+            yield Label(Text(f"opening {self.workspace_path} ..."), id="opening-label")
+            yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="opening-bar")
+        with TabbedContent(id="tabs"):
+            with TabPane("Overview", id="overview"):
+                yield OverviewPane(id="overview-pane")
+            with TabPane("Branches", id="branches"):
+                yield BranchesPane(id="branches-pane")
+            with TabPane("Forcing", id="forcing"):
+                yield ForcingPane(id="forcing-pane")
+            with TabPane("Memory", id="memory"):
+                yield MemoryPane(id="memory-pane")
+            with TabPane("Log", id="log"):
+                yield LogPane(id="log-pane")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if not self.blink:
+            for inp in self.query(Input):
+                inp.cursor_blink = False
+        self.open_workspace()
+
+    # -- workers ---------------------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="open", exit_on_error=False, name="open workspace")
+    def open_workspace(self) -> None:
+        from workbench.workspace import Workspace, init_demo
+
+        path = self.workspace_path
+        if self.create_demo and not (path / "specpilot.toml").exists():
+            self.post_message(Opening(f"creating the demo workspace at {path} (first run) ..."))
+            ws = init_demo(path, **self.demo_options)
+        else:
+            ws = Workspace(path)
+        ws.deployment_id()
+        self.post_message(Opened(ws))
+
+    @work(thread=True, group="poll", exit_on_error=False, name="poll store")
+    def poll_store(self) -> None:
+        try:
+            self.post_message(Polled(data.read_snapshot(self.ws, self.last_event_id)))
+        finally:
+            self._polling = False
+
+    @work(thread=True, exclusive=True, group="forcing", exit_on_error=False, name="load forcing report")
+    def load_forcing(self, branch: str) -> None:
+        self.post_message(ForcingLoaded(branch, data.forcing_view(self.ws, branch)))
+
+    @work(thread=True, exclusive=True, group="mechanisms", exit_on_error=False, name="load mechanisms")
+    def load_mechanisms(self, query: str = "") -> None:
+        self.post_message(MechanismsLoaded(data.list_mechanisms(self.ws, query)))
+
+    @work(thread=True, group="action", exit_on_error=False, name="merge")
+    def _merge(self, branch: str) -> None:
+        self.post_message(Done(data.merge_into_base(self.ws, branch), "branches"))
+
+    @work(thread=True, group="action", exit_on_error=False, name="diff")
+    def _diff(self, branch: str) -> None:
+        self.post_message(ShowText(f"git diff stock...{branch}", data.branch_diff(self.ws, branch), diff=True))
+
+    @work(thread=True, group="action", exit_on_error=False, name="verdict")
+    def _verdict(self, mechanism_id: int, status: str, note: str) -> None:
+        m, shared = data.set_verdict(self.ws, mechanism_id, status, note)
+        self.post_message(Done(f"mechanism {m.id} ({m.name}) is now {m.status}"
+                               + (" and carried to the global memory" if shared else ""), "memory"))
+
+    @work(thread=True, group="action", exit_on_error=False, name="export")
+    def _export(self, folder: str) -> None:
+        written = data.export_accepted(self.ws, Path(folder).expanduser())
+        self.post_message(Done(f"exported {len(written)} patch(es) to {folder}", "memory"))
+
+    @work(thread=True, group="action", exit_on_error=False, name="launch choices")
+    def _launch_choices(self) -> None:
+        self.post_message(LaunchChoices(data.directions_for_launch(self.ws)))
+
+    @work(thread=True, group="launch", exit_on_error=False, name="launch")
+    def _launch(self, kind: str, family: str) -> None:
+        branch = data.free_branch_name(self.ws, kind, family)
+        launch = data.Launch(self.ws, kind, family, branch)
+        self.launches[branch] = launch
+        self.live.add(branch)
+        try:
+            attempt = launch.run()
+        finally:
+            self.live.discard(branch)
+        self.post_message(LaunchFinished(branch, attempt))
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """Any worker's failure is one line in a notification."""
+        if event.state != WorkerState.ERROR:
+            return
+        err = event.worker.error
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        name = event.worker.name
+        self.notify(Text(f"{type(err).__name__}: {first}" if first else type(err).__name__),
+                    title=f"{name} failed", severity="error", timeout=10)
+        if name == "open workspace":
+            self.query_one("#opening-label", Label).update(
+                Text(f"could not open {self.workspace_path}: {first}", style="bold red"))
+            self.query_one("#opening-bar").display = False
+        elif name == "launch":
+            self.refresh_bindings()
+
+    # -- worker results --------------------------------------------------------------------------------
+
+    def on_opening(self, msg: Opening) -> None:
+        self.query_one("#opening-label", Label).update(Text(msg.text))
+
+    def on_opened(self, msg: Opened) -> None:
+        self.ws = msg.ws
+        self.sub_title = msg.ws.config.name
+        self.query_one("#opening").display = False
+        self.poll()
+        self.load_mechanisms()
+        self.set_interval(self.poll_s, self.poll)
+        self.query_one("#branches-table", DataTable).focus() if self.active_tab() == "branches" else None
+
+    def poll(self) -> None:
+        if self.ws is None or self._polling:
+            return
+        self._polling = True
+        self.poll_store()
+
+    def on_polled(self, msg: Polled) -> None:
+        snap = msg.snap
+        first = self.snapshot is None
+        self.snapshot = snap
+        self.last_event_id = snap.last_event_id
+        ws_path = str(self.ws.path)
+        self.query_one(OverviewPane).show(snap, ws_path)
+        self.query_one(BranchesPane).show(snap.branches, self.live)
+        self.query_one(LogPane).add(snap.events, ws_path)
+        forced = [b.name for b in snap.branches if b.forcing_report_id is not None]
+        self.query_one(ForcingPane).set_branches(forced, self.forcing_branch)
+        if first and self.forcing_branch is None and forced:
+            self.open_forcing(forced[-1], switch=False)
+        if any(e.kind.startswith("mechanism") for e in snap.events) and not first:
+            self.load_mechanisms(self.query_one("#memory-search", Input).value)
+        rep = next((b for b in snap.branches if b.name == self.forcing_branch), None)
+        if rep is not None and rep.forcing_report_id != getattr(self, "_forcing_report_id", None) and not first:
+            self.load_forcing(rep.name)
+        self._forcing_report_id = rep.forcing_report_id if rep else None
+        self.polls += 1
+
+    def on_forcing_loaded(self, msg: ForcingLoaded) -> None:
+        if msg.branch == self.forcing_branch:
+            self.query_one(ForcingPane).show(msg.report)
+
+    def on_mechanisms_loaded(self, msg: MechanismsLoaded) -> None:
+        self.mechanisms = {m.id: m for m in msg.mechanisms}
+        self.query_one(MemoryPane).show(msg.mechanisms)
+
+    def on_done(self, msg: Done) -> None:
+        self.notify(Text(msg.text), title="done")
+        if msg.refresh == "memory":
+            self.load_mechanisms(self.query_one("#memory-search", Input).value)
+        self.poll()
+
+    def on_show_text(self, msg: ShowText) -> None:
+        self.push_screen(TextViewScreen(msg.title, msg.text, diff=msg.diff))
+
+    def on_launch_choices(self, msg: LaunchChoices) -> None:
+        def chosen(result: tuple[str, str] | None) -> None:
+            if result is not None:
+                kind, family = result
+                self.notify(Text(f"launching a {kind} agent on {family}"), title="launch")
+                self._launch(kind, family)
+
+        self.push_screen(LaunchScreen(msg.directions), chosen)
+
+    def on_launch_finished(self, msg: LaunchFinished) -> None:
+        a = msg.attempt
+        self.notify(Text(f"{msg.branch}: {a.get('status')}: {a.get('reason')}"), title="agent finished",
+                    severity="information" if a.get("status") == "keep" else "warning", timeout=8)
+        self.poll()
+
+    # -- navigation ------------------------------------------------------------------------------------
+
+    def active_tab(self) -> str:
+        return self.query_one(TabbedContent).active
+
+    def action_show_tab(self, tab: str) -> None:
+        self.show_tab(tab)
+
+    def show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+        focus = {"branches": "#branches-table", "forcing": "#mismatches", "memory": "#mechanisms", "log": "#event-log"}
+        if tab in focus:
+            self.query_one(focus[tab]).focus()
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "memory" and self.ws is not None:
+            self.load_mechanisms(self.query_one("#memory-search", Input).value)
+
+    def action_toggle_keys(self) -> None:
+        if self.screen.query(HelpPanel):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
+
+    def selected_branch(self) -> str | None:
+        return self.query_one(BranchesPane).selected()
+
+    def selected_mechanism(self) -> int | None:
+        key = self.query_one(MemoryPane).selected()
+        return int(key) if key else None
+
+    def _need_ws(self) -> bool:
+        if self.ws is None:
+            self.notify("the workspace is still opening", severity="warning")
+            return False
+        return True
+
+    def _need_branch(self, what: str) -> str | None:
+        b = self.selected_branch() if self._need_ws() else None
+        if b is None and self.ws is not None:
+            self.notify(f"{what}: no branch selected (Branches tab: pick a row)", severity="warning")
+        return b
+
+    # -- branch actions --------------------------------------------------------------------------------
+
+    def action_launch(self) -> None:
+        if self._need_ws():
+            self._launch_choices()
+
+    def action_steer(self) -> None:
+        b = self._need_branch("steer")
+        if b:
+            self.steer_branch(b)
+
+    def steer_branch(self, branch: str) -> None:
+        launch = self.launches.get(branch)
+        if launch is None or branch not in self.live or launch.kind != "llm":
+            self.notify(f"steer: {branch} is not an LLM agent running in this app (steering reaches LLM agents "
+                        f"launched here with l)", severity="warning")
+            return
+
+        def send(text: str | None) -> None:
+            if text:
+                launch.steer(text)
+                self.notify(Text(f"sent to {branch}: {text}"), title="steer")
+
+        self.push_screen(TextInputScreen(f"Message to the agent on {branch}", "e.g. try a shorter draft length",
+                                         submit="Send", required="type a message, or escape to cancel"), send)
+
+    def action_stop(self) -> None:
+        b = self._need_branch("stop")
+        if b:
+            self.stop_branch(b)
+
+    def stop_branch(self, branch: str) -> None:
+        launch = self.launches.get(branch)
+        if launch is None or branch not in self.live:
+            self.notify(f"stop: no agent of this app is running on {branch}", severity="warning")
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                launch.stop()
+                self.notify(f"stop sent to {branch}: it ends at its next turn", title="stop")
+
+        self.push_screen(ConfirmScreen(f"Stop the {launch.kind} agent on {branch}? Its work so far is evaluated "
+                                       f"if it committed anything.", yes="Stop"), answer)
+
+    def action_merge(self) -> None:
+        b = self._need_branch("merge")
+        if b:
+            self.merge_branch(b)
+
+    def merge_branch(self, branch: str) -> None:
+        if branch in self.live:
+            self.notify(f"merge: the agent on {branch} is still running; stop it or wait", severity="warning")
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self._merge(branch)
+
+        self.push_screen(ConfirmScreen(f"Merge {branch} into base? (git merge --no-ff; system.toml merged key "
+                                       f"by key)", yes="Merge"), answer)
+
+    def action_diff(self) -> None:
+        b = self._need_branch("diff")
+        if b:
+            self.diff_branch(b)
+
+    def diff_branch(self, branch: str) -> None:
+        self._diff(branch)
+
+    def action_forcing(self) -> None:
+        b = self._need_branch("forcing")
+        if b:
+            self.open_forcing(b)
+
+    def open_forcing(self, branch: str, switch: bool = True) -> None:
+        self.forcing_branch = branch
+        pane = self.query_one(ForcingPane)
+        sel = pane.query_one(Select)
+        if branch in getattr(pane, "_names", []) and sel.value != branch:
+            with sel.prevent(Select.Changed):
+                sel.value = branch
+        if switch:
+            self.show_tab("forcing")
+        self.load_forcing(branch)
+
+    @on(Select.Changed, "#forcing-branch")
+    def _forcing_branch_chosen(self, event: Select.Changed) -> None:
+        if isinstance(event.value, str) and event.value != self.forcing_branch:
+            self.open_forcing(event.value, switch=False)
+
+    # -- memory actions --------------------------------------------------------------------------------
+
+    @on(Input.Submitted, "#memory-search")
+    def _search(self, event: Input.Submitted) -> None:
+        if self._need_ws():
+            self.load_mechanisms(event.value)
+            self.query_one("#mechanisms", DataTable).focus()
+
+    def action_accept(self) -> None:
+        self._verdict_selected("accepted")
+
+    def action_reject(self) -> None:
+        self._verdict_selected("rejected")
+
+    def _verdict_selected(self, status: str) -> None:
+        mid = self.selected_mechanism() if self._need_ws() else None
+        if mid is None:
+            if self.ws is not None:
+                self.notify(f"{status[:-2]}: no mechanism selected (Memory tab: pick a row)", severity="warning")
+            return
+        self.verdict(mid, status)
+
+    def verdict(self, mechanism_id: int, status: str) -> None:
+        verb = "Accept" if status == "accepted" else "Reject"
+        m = self.mechanisms.get(mechanism_id)
+        name = f"{mechanism_id} ({m.name})" if m else str(mechanism_id)
+
+        def with_note(note: str | None) -> None:
+            if note:
+                self._verdict(mechanism_id, status, note)
+
+        self.push_screen(TextInputScreen(f"{verb} mechanism {name}? The reviewer's note says why:",
+                                         "e.g. lossless on all prompts, 1.3x on demo", submit=verb,
+                                         required=f"a note is required to {verb.lower()}"), with_note)
+
+    def action_export(self) -> None:
+        if not self._need_ws():
+            return
+        default = str(Path.cwd() / f"{self.ws.config.name}-patches")
+
+        def to(folder: str | None) -> None:
+            if folder:
+                self._export(folder)
+
+        self.push_screen(TextInputScreen("Export accepted mechanisms (git format-patch series) to folder:",
+                                         value=default, submit="Export", required="give a folder"), to)
+
+    async def action_quit(self) -> None:
+        for b in list(self.live):
+            self.launches[b].stop()
+        self.exit(0)
+
+
+def make_app(workspace: str | Path | None = None, *, demo_options: dict | None = None, poll_s: float = 1.0,
+             blink: bool = True) -> SpecPilotApp:
+    """The app for a workspace; with none, the demo workspace (created on first run)."""
+    if workspace is None:
+        from workbench.workspace import default_demo_path
+
+        return SpecPilotApp(default_demo_path(), create_demo=True, demo_options=demo_options, poll_s=poll_s,
+                            blink=blink)
+    return SpecPilotApp(Path(workspace).expanduser().resolve(), poll_s=poll_s, blink=blink)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`specpilot-tui [--workspace PATH]` (the interactive app; `--auto` is handled before this is imported)."""
+    p = argparse.ArgumentParser(prog="specpilot-tui", description="The SpecPilot workbench (Textual).")
+    p.add_argument("--workspace", help="a workspace folder (default: the demo workspace, created on first run)")
+    args = p.parse_args(argv)
+    if args.workspace and not (Path(args.workspace) / "specpilot.toml").exists():
+        print(f"error: {args.workspace} is not a SpecPilot workspace (no specpilot.toml); create one with "
+              f"`specpilot init demo PATH` or omit --workspace for the demo", file=sys.stderr)
+        return 2
+    app = make_app(args.workspace)
+    app.run()
+    return app.return_code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

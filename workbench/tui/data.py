@@ -1,0 +1,344 @@
+"""What the TUI reads and does, without Textual: a snapshot of the store, git actions, agent launches.
+
+Every function here blocks (SQLite, git, subprocesses) and is called from a thread worker of the app;
+none touches a widget. The UI reads the store, not the loop's internals, so it shows the same thing
+whether the loop runs in this process, in `specpilot-tui --auto` or on another terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import git
+
+from store import Event, ForcingReport, Mechanism
+from store.migrations import GAP_FAMILIES
+from workbench.workspace import MANUAL_ROUND, STOCK_TAG, Workspace, WorkspaceError
+
+BASE_BRANCH = "base"  # the loop's integration branch (workbench.loop.BASE_BRANCH)
+LOG_BACKLOG = 500  # events shown when the app opens
+
+
+@dataclass
+class BranchRow:
+    name: str
+    agent: str
+    direction: str
+    status: str
+    speedup: float | None  # the latest paired benchmark against its base
+    forcing: str  # one word or two: clean / N real / crash / rejected / -
+    match_rate: float | None
+    forcing_report_id: int | None
+    reason: str = ""  # the latest evaluation, one line
+
+
+@dataclass
+class RoundProgress:
+    number: int
+    phase: str
+    done: int
+    total: int
+
+
+@dataclass
+class Snapshot:
+    deployment: dict[str, str]
+    families: dict[str, float] = field(default_factory=dict)  # ms per generated token, latest profiled round
+    gaps_round: int | None = None
+    measured_ms: float | None = None
+    speedups: list[tuple[int, float]] = field(default_factory=list)  # (round, best speedup over AR)
+    stock_speedup: float | None = None
+    current: RoundProgress | None = None
+    branches: list[BranchRow] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # new since the id asked for
+    last_event_id: int = 0
+
+
+def short_model(path: Path | str | None) -> str:
+    """A model directory as its last two components: enough to tell demo/target from demo/drafter."""
+    if path is None or str(path) == "":
+        return "-"
+    p = Path(path)
+    return "/".join(p.parts[-2:])
+
+
+def deployment_of(ws: Workspace) -> dict[str, str]:
+    c = ws.config
+    return {"name": c.name, "target": short_model(c.target), "drafter": short_model(c.drafter),
+            "hardware": c.hardware, "dtype": c.dtype, "device": c.device,
+            "regime": "batch " + ", ".join(str(b) for b in c.batch_sizes)}
+
+
+def latest_gaps(ws: Workspace) -> tuple[int, dict] | None:
+    """The latest round's gaps (as the loop saved them in the round's summary), with the round number."""
+    rounds = [r for r in ws.memory.list_rounds(ws.deployment_id()) if r.status != MANUAL_ROUND]
+    for r in reversed(rounds):
+        gaps = r.summary.get("gaps")
+        if gaps and gaps.get("breakdown"):
+            return int(r.summary.get("index", r.number)), gaps
+    return None
+
+
+def _stock_speedup(ws: Workspace) -> float | None:
+    try:
+        state = json.loads((ws.state / "loop.json").read_text())
+        return float(state["stock"]["speedup"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def branch_row(ws: Workspace, b: Any) -> BranchRow:
+    mem = ws.memory
+    evals = mem.list_evaluations(b.id)
+    bench = [e for e in evals if e.stage == "bench" and isinstance(e.metrics.get("speedup"), int | float)]
+    speedup = float(bench[-1].metrics["speedup"]) if bench else None
+    forcing, rate, report_id = "-", None, None
+    forced = [e for e in evals if e.stage == "forcing"]
+    reports = mem.list_forcing_reports(b.id)
+    if forced:
+        last = forced[-1]
+        rep = next((r for r in reversed(reports) if r.evaluation_id == last.id), None)
+        if rep is not None:
+            rate, report_id = rep.match_rate, rep.id
+            real = rep.details.get("unexplained")
+            if real is None:
+                real = sum(1 for m in rep.mismatches if not m.get("near_tie"))
+            forcing = f"{real} real" if real else ("clean" if not rep.mismatches else f"{len(rep.mismatches)} ties")
+        else:
+            forcing = {"crash": "crash", "rejected": "rejected"}.get(last.status, last.status)
+    elif reports:
+        rate, report_id = reports[-1].match_rate, reports[-1].id
+        forcing = "clean" if not reports[-1].mismatches else f"{len(reports[-1].mismatches)} mism."
+    reason = f"{evals[-1].stage}: {evals[-1].status}: {evals[-1].reason}" if evals else "not evaluated yet"
+    return BranchRow(b.name, b.agent, b.direction or "-", b.status, speedup, forcing, rate, report_id, reason)
+
+
+def read_snapshot(ws: Workspace, after_event_id: int | None) -> Snapshot:
+    """Everything the Overview, Branches and Log tabs show; `after_event_id` None means "the backlog"."""
+    mem = ws.memory
+    snap = Snapshot(deployment_of(ws))
+    rounds = [r for r in mem.list_rounds(ws.deployment_id()) if r.status != MANUAL_ROUND]
+    g = latest_gaps(ws)
+    if g is not None:
+        snap.gaps_round = g[0]
+        bd = g[1]["breakdown"]
+        snap.families = {k: float(v) for k, v in bd.get("families", {}).items()}
+        snap.measured_ms = bd.get("measured_ms_per_token")
+    for r in rounds:
+        s = r.summary
+        n = int(s.get("index", r.number))
+        if isinstance(s.get("best_speedup_over_ar"), int | float):
+            snap.speedups.append((n, float(s["best_speedup_over_ar"])))
+        if r.status == "running":
+            total = len(s.get("directions", []))
+            done = len(s.get("attempts", []))
+            phase = ("profiling" if "gaps" not in s else "choosing directions" if "directions" not in s
+                     else "integrating" if total and done >= total else "agents")
+            snap.current = RoundProgress(n, phase, done, total)
+    snap.stock_speedup = _stock_speedup(ws)
+    snap.branches = [branch_row(ws, b) for b in ws.list_branches()]
+    if after_event_id is None:
+        top = mem.db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+        after_event_id = max(0, top - LOG_BACKLOG)
+    snap.events = mem.list_events(after_id=after_event_id, limit=LOG_BACKLOG)
+    snap.last_event_id = snap.events[-1].id if snap.events else after_event_id
+    return snap
+
+
+def latest_forcing_report(ws: Workspace, branch: str) -> ForcingReport | None:
+    reports = ws.memory.list_forcing_reports(ws.branch(branch).id)
+    return reports[-1] if reports else None
+
+
+def cached_stock_reference(ws: Workspace) -> dict | None:
+    """Stock's cached reference for the current stock commit and forcing length, if one was computed.
+
+    Read-only: looking at a report never starts a stock run (forcing computes the reference)."""
+    n = ws.config.forcing_max_new_tokens
+    for path in sorted((ws.state / "stock").glob("*.json"), key=lambda p: -p.stat().st_mtime):
+        try:
+            ref = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if ref.get("stock_commit") == ws.stock_commit and ref.get("max_new_tokens") == n:
+            return ref
+    return None
+
+
+def token_decoder(ws: Workspace) -> Callable[[int], str]:
+    """One token id to its text; the `tokenizers` file when there is one (fast to load), else transformers."""
+    path = Path(ws.config.tokenizer) / "tokenizer.json"
+    if path.exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        return lambda t: tok.decode([t], skip_special_tokens=False)
+    from decoder.models import load_tokenizer
+
+    hf = load_tokenizer(ws.config.tokenizer)
+    return lambda t: hf.decode([t])
+
+
+def forcing_view(ws: Workspace, branch: str) -> dict | None:
+    """The latest forcing report of `branch`, with stock's tokens as text for the prompts that mismatch."""
+    rep = latest_forcing_report(ws, branch)
+    if rep is None:
+        return None
+    mm = rep.mismatches
+    prompts: dict[str, dict] = {}
+    ref = cached_stock_reference(ws) if mm else None
+    if ref is not None:
+        by_id = {p["id"]: p for p in ref["prompts"]}
+        decode = token_decoder(ws)
+        truncated = set(rep.details.get("truncated_prompts", []))
+        for pid in dict.fromkeys(m["prompt_id"] for m in mm):
+            p = by_id.get(pid)
+            if p is None:
+                continue
+            last = max(m["position"] for m in mm if m["prompt_id"] == pid)
+            prompts[pid] = {"stock_texts": [decode(t) for t in p["stock"]],
+                            "checked": last + 1 if pid in truncated else len(p["stock"])}
+    return {"branch": branch, "status": rep.details.get("status", "?"), "reason": rep.details.get("reason", ""),
+            "match_rate": rep.match_rate, "positions_checked": rep.positions_checked,
+            "threshold": rep.details.get("near_tie_threshold"), "mismatches": mm, "prompts": prompts}
+
+
+def list_mechanisms(ws: Workspace, query: str = "") -> list[Mechanism]:
+    return ws.memory.search_mechanisms(query) if query.strip() else ws.memory.list_mechanisms()
+
+
+def set_verdict(ws: Workspace, mechanism_id: int, status: str, note: str) -> tuple[Mechanism, bool]:
+    """Accept or reject with the reviewer's note, and carry the verdict to the global memory."""
+    from workbench.memory_cli import publish_verdict
+
+    if not note.strip():
+        raise ValueError(f"{status} needs a note saying why")
+    m = ws.memory.set_mechanism_status(mechanism_id, status, note.strip())
+    return m, publish_verdict(m, ws.state / "memory.db")
+
+
+def export_accepted(ws: Workspace, out: Path) -> list[Path]:
+    from workbench.export import export
+
+    return export(ws, ws.memory.list_mechanisms(status="accepted"), out)
+
+
+def branch_diff(ws: Workspace, branch: str) -> str:
+    ws.branch(branch)  # a clear error for an unknown branch
+    text = git.Repo(ws.path).git.diff(f"{STOCK_TAG}...{branch}")
+    return text or f"(branch {branch} makes no change against stock)"
+
+
+def merge_into_base(ws: Workspace, branch: str) -> str:
+    """Merge `branch` into the `base` branch (created at stock if missing) in a scratch worktree."""
+    from workbench.loop import merge_branch
+
+    ws.branch(branch)
+    repo = git.Repo(ws.path)
+    if BASE_BRANCH not in repo.heads:
+        repo.create_head(BASE_BRANCH, ws.stock_commit)
+    before = repo.commit(BASE_BRANCH).hexsha
+    scratch = Path(tempfile.mkdtemp(prefix="specpilot-merge-"))
+    wt = scratch / "wt"
+    try:
+        try:
+            repo.git.worktree("add", str(wt), BASE_BRANCH)
+        except git.GitCommandError as e:
+            raise WorkspaceError(f"cannot check out {BASE_BRANCH} to merge into it: "
+                                 f"{(e.stderr or str(e)).strip().splitlines()[-1]}") from None
+        ok, why = merge_branch(git.Repo(wt), branch, ws.config.config_file)
+        if not ok:
+            raise WorkspaceError(f"merge of {branch} into {BASE_BRANCH} failed: {why}; nothing changed")
+        after = repo.commit(BASE_BRANCH).hexsha
+    finally:
+        if wt.exists():
+            repo.git.worktree("remove", "--force", str(wt))
+        repo.git.worktree("prune")
+        shutil.rmtree(scratch, ignore_errors=True)
+    if after == before:
+        msg = f"{branch} is already in {BASE_BRANCH}"
+    else:
+        msg = f"merged {branch} into {BASE_BRANCH}: {before[:10]} -> {after[:10]}" + (f" ({why})" if why else "")
+    ws.memory.record_event("tui.merge", msg, {"branch": branch, "from": before, "to": after})
+    return msg
+
+
+def directions_for_launch(ws: Workspace) -> list[tuple[str, float | None]]:
+    """Gap families to offer, the largest measured gap first; all families when nothing is profiled yet."""
+    g = latest_gaps(ws)
+    fams = g[1]["breakdown"].get("families", {}) if g else {}
+    known = sorted(fams.items(), key=lambda kv: -kv[1])
+    return [(k, float(v)) for k, v in known] + [(f, None) for f in GAP_FAMILIES if f not in fams]
+
+
+def free_branch_name(ws: Workspace, kind: str, family: str) -> str:
+    taken = {b.name for b in ws.memory.list_branches()} | {h.name for h in git.Repo(ws.path).heads}
+    k = 1
+    while f"tui-{kind}-{family}-{k}" in taken:
+        k += 1
+    return f"tui-{kind}-{family}-{k}"
+
+
+class Launch:
+    """One agent on one direction from the current base, then the evaluation cascade: a one-agent round.
+
+    `steer` and `stop` reach the running agent through the loop's steering queue and stop event.
+    """
+
+    def __init__(self, ws: Workspace, kind: str, family: str, branch: str,
+                 progress: Callable[[str], None] | None = None, llm: dict | None = None) -> None:
+        from workbench.loop import Loop, LoopOptions
+
+        self.ws, self.kind, self.family, self.branch = ws, kind, family, branch
+        self.loop = Loop(ws, LoopOptions(rounds=1, agents=1, agent=kind, auto_accept=False, llm=llm or {}),
+                         progress=progress)
+        # made before the agent starts, so a steer or stop right after launch is not lost
+        self.loop.steering[branch] = queue.Queue()
+        self.loop.stops[branch] = threading.Event()
+
+    def steer(self, text: str) -> None:
+        self.loop.steering[self.branch].put(text)
+
+    def stop(self) -> None:
+        self.loop.stops[self.branch].set()
+
+    def run(self) -> dict:
+        """Profile (unless a round already did), run the agent, evaluate its commit; returns the attempt."""
+        from workbench.agents.base import Direction
+        from workbench.measure import load_prompts
+
+        loop, ws = self.loop, self.ws
+        agent = loop.make_agent()  # first: a missing LLM endpoint is reported before anything runs
+        loop._ensure_refs()
+        base = loop.base_commit()
+        found = latest_gaps(ws)
+        if found is None:
+            loop.say(f"{self.branch}: profiling base {base[:10]} for the gap breakdown")
+            gaps = loop.gaps(base)
+        else:
+            gaps = found[1]
+        bd = gaps["breakdown"]
+        loop.opts.agents = len(GAP_FAMILIES)
+        d = next((x for x in loop.directions(bd, set()) if x.family == self.family), None)
+        if d is None:
+            ms = float(bd.get("families", {}).get(self.family, 0.0))
+            d = Direction(self.family, ms, f"{self.family}: {ms:.3f} ms/token (chosen by the engineer)")
+        ws.create_branch(self.branch, base=base, agent=agent.name, direction=self.family)
+        loop.say(f"{self.branch}: {agent.name} agent launched on {self.family}", "tui.launch",
+                 {"branch": self.branch, "agent": agent.name, "direction": self.family})
+        texts = loop._visible_texts()
+        visible = [{"id": p.id, "text": texts.get(p.id, "")} for p in load_prompts(ws)]
+        res = loop._run_agent(agent, self.branch, d, gaps, visible)
+        loop.say(f"{self.branch}: agent: {res.message}", "loop.agent", {"branch": self.branch,
+                                                                        "committed": res.committed})
+        ceiling = (loop.state.get("ceiling") or loop.ceiling()) if res.committed else 0.0
+        base_ar = float(loop.state.get("base_speedup_over_ar", 1.0))
+        return loop._attempt(self.branch, d, agent.name, res, base, base_ar, ceiling)
