@@ -459,7 +459,9 @@ class Loop:
             status = "budget"
             self.say(str(e))
         final = self.base_commit()
-        if final == self.ws.stock_commit:
+        if "stock" not in self.state:  # the budget ended before anything was measured
+            final_m = {"speedup": None, "ci95": None}
+        elif final == self.ws.stock_commit:
             final_m = self.state["stock"]
         elif self.state.get("final", {}).get("commit") == final:
             final_m = self.state["final"]
@@ -467,14 +469,15 @@ class Loop:
             final_m = self.speedup_over_ar(final, "final")
             self.state["final"] = final_m
             self._save_state()
+        stock = self.state.get("stock", {"speedup": None, "ci95": None})
         accepted = [{"id": m.id, "name": m.name, "family": m.gap_family, "uid": m.uid,
                      "speedup": next((e.get("speedup") for e in m.evidence), None)}
                     for m in self.ws.memory.list_mechanisms(status="accepted")]
         return {
             "workspace": str(self.ws.path), "deployment": self.ws.config.name, "status": status,
-            "stock_speedup": self.state["stock"]["speedup"], "final_speedup": final_m["speedup"],
-            "improvement": final_m["speedup"] / self.state["stock"]["speedup"],
-            "stock_ci95": self.state["stock"]["ci95"], "final_ci95": final_m["ci95"],
+            "stock_speedup": stock["speedup"], "final_speedup": final_m["speedup"],
+            "improvement": final_m["speedup"] / stock["speedup"] if stock["speedup"] else None,
+            "stock_ci95": stock["ci95"], "final_ci95": final_m["ci95"],
             "stock_commit": self.ws.stock_commit, "final_commit": final,
             "rounds": [{"index": r["index"], "base_commit": r.get("base_commit"),
                         "best_speedup_over_ar": r.get("best_speedup_over_ar"),

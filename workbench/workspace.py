@@ -383,7 +383,8 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
                "--config", "{config}"],
         protected=list(DEMO_PROTECTED),
         forcing_max_new_tokens=forcing_max_new_tokens,
-        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 0, **(limits or {})})
+        # one thread: on a shared 2-core machine OpenMP spin-waits make two threads up to 10x slower
+        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 1, **(limits or {})})
     (path / "specpilot.toml").write_text(cfg.to_toml())
     DecodeConfig().save(path / cfg.config_file)
     (path / ".gitignore").write_text(GITIGNORE)

@@ -1,0 +1,134 @@
+"""The loop's parts on a real (small) demo workspace: the cascade against hostile candidates, key-wise
+config merging, the headless entry point. The full multi-round loop is a slow test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import git
+import pytest
+
+from tests.conftest import needs_demo
+from tests.test_forcing import make_branch, patch_generate
+from workbench.cascade import evaluate
+from workbench.forcing import stock_reference
+from workbench.loop import BASE_BRANCH, Loop, LoopOptions, merge_branch
+from workbench.workspace import Workspace, init_demo
+
+pytestmark = needs_demo
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Workspace:
+    w = init_demo(tmp_path_factory.mktemp("loop") / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1,
+                  limits={"request_s": 30, "start_s": 90})
+    stock_reference(w, progress=False)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def ceiling(ws) -> float:
+    return Loop(ws, LoopOptions()).ceiling()
+
+
+def test_a_branch_that_skips_verification_is_discarded_by_forcing(ws, ceiling):
+    # Emit every drafted token as if the target had accepted it.
+    make_branch(ws, "no-verify", {"decoder/verify.py": (
+        "n = (draft == pred[:k]).to(torch.int64).cumprod(0).sum().view(1)\n    return torch.cat([n, pred])",
+        "n = torch.tensor([k])\n    return torch.cat([n, draft, pred[k:]])")}, "trust the drafter")
+    att = evaluate(ws, "no-verify", ws.stock_commit, 1.3, ceiling)
+    assert att.status == "discard" and att.reason.startswith("forcing:"), att.reason
+
+
+def test_a_branch_that_patches_the_timer_gains_nothing(ws, ceiling):
+    make_branch(ws, "timer", {"decoder/generate.py": patch_generate(
+        "import time\ntime.perf_counter = time.monotonic = time.time = lambda: 0.0")}, "instant clock")
+    att = evaluate(ws, "timer", ws.stock_commit, 1.3, ceiling, min_gain=1.25)
+    # timed from outside, a patched clock is no faster than stock: no gain beyond the noise
+    assert att.status == "discard" and att.reason.startswith("no gain"), att.reason
+    assert att.speedup is not None and att.speedup < 1.25
+
+
+def test_a_speedup_above_the_ceiling_is_rejected(ws, ceiling):
+    # Lossless on every forcing prompt (it computes the hidden ones honestly) but it answers the
+    # benchmark's visible prompts from a memo: far faster than any lossless change can be.
+    ref = stock_reference(ws, False)
+    memo = {",".join(map(str, p["prompt_ids"])): p["stock"] for p in ref["prompts"] if p["split"] == "visible"}
+    make_branch(ws, "too-fast", {
+        "decoder/memo.json": json.dumps(memo),
+        "decoder/generate.py": patch_generate(
+            "import json, pathlib\n"
+            "memo = json.loads((pathlib.Path(__file__).parent / 'memo.json').read_text())\n"
+            "hit = memo.get(','.join(map(str, prompt)))\n"
+            "if hit is not None and len(hit) >= cfg.max_new_tokens:\n"
+            "    return Generation(hit[:cfg.max_new_tokens])")}, "answer known prompts at once")
+    att = evaluate(ws, "too-fast", ws.stock_commit, 1.3, ceiling)
+    assert att.status == "rejected" and att.reason.startswith("implausible"), att.reason
+    evals = ws.memory.list_evaluations(ws.branch("too-fast").id)
+    assert [e.stage for e in evals][-3:] == ["smoke", "forcing", "bench"]
+
+
+def test_a_protected_edit_is_rejected_before_anything_runs(ws, ceiling):
+    make_branch(ws, "edit-serve", {"decoder/serve.py": ("import argparse", "import argparse  # mine")}, "tweak")
+    att = evaluate(ws, "edit-serve", ws.stock_commit, 1.3, ceiling)
+    assert att.status == "rejected" and "decoder/serve.py" in att.reason
+    assert [e.stage for e in ws.memory.list_evaluations(ws.branch("edit-serve").id)] == ["guard"]
+
+
+def test_config_conflicts_merge_key_by_key(ws):
+    make_branch(ws, "cfg-a", {"system.toml": ("lean_forward = false", "lean_forward = true")}, "lean")
+    make_branch(ws, "cfg-b", {"system.toml": ("stop_at_eos = true", "stop_at_eos = false")}, "no eos")
+    make_branch(ws, "cfg-c", {"system.toml": ("lean_forward = false", "lean_forward = false\n")}, "noop-ish")
+    ws.create_branch("merge-into")
+    wt = git.Repo(ws.worktree_path("merge-into"))
+    assert merge_branch(wt, "cfg-a", "system.toml")[0]
+    ok, why = merge_branch(wt, "cfg-b", "system.toml")
+    assert ok, why
+    text = (ws.worktree_path("merge-into") / "system.toml").read_text()
+    assert "lean_forward = true" in text and "stop_at_eos = false" in text
+    make_branch(ws, "cfg-d", {"system.toml": ("lean_forward = false", "lean_forward = false\ncuda_graphs = true")},
+                "graphs without lean: invalid once merged? no: lean is on in ours")
+    make_branch(ws, "cfg-e", {"system.toml": ('drafter = "draft-model"', 'drafter = "ngram"')}, "ngram")
+    make_branch(ws, "cfg-f", {"system.toml": ('drafter = "draft-model"', 'drafter = "draft-model"\n\n')}, "x")
+    ok, why = merge_branch(wt, "cfg-e", "system.toml")
+    assert ok, why
+    ws.create_branch("merge-clash")
+    wt2 = git.Repo(ws.worktree_path("merge-clash"))
+    make_branch(ws, "cfg-g", {"system.toml": ("draft_len = 3", "draft_len = 5")}, "k=5")
+    make_branch(ws, "cfg-h", {"system.toml": ("draft_len = 3", "draft_len = 6")}, "k=6")
+    assert merge_branch(wt2, "cfg-g", "system.toml")[0]
+    ok, why = merge_branch(wt2, "cfg-h", "system.toml")
+    assert not ok and "draft_len" in why
+    assert not wt2.is_dirty()  # the failed merge was aborted cleanly
+
+
+def test_headless_never_imports_textual():
+    code = ("import sys, workbench.tui_entry as t, workbench.loop, workbench.agents.tuner\n"
+            "rc = t.main(['--auto', '--workspace', '/nonexistent/ws'])\n"
+            "assert 'textual' not in sys.modules, 'textual imported'\n"
+            "sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+
+
+def test_auto_with_no_budget_left_reports_and_exits_3(ws):
+    r = subprocess.run([sys.executable, "-m", "workbench.tui_entry", "--auto", "--workspace", str(ws.path),
+                        "--budget-minutes", "0.001", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr
+    s = json.loads(r.stdout)
+    assert s["status"] == "budget" and s["rounds"] == []
+    assert {"stock_speedup", "final_speedup", "rounds", "accepted_mechanisms"} <= set(s)
+
+
+@pytest.mark.slow
+def test_one_round_of_the_tuner_keeps_a_lossless_speedup(ws):
+    summary = Loop(ws, LoopOptions(rounds=1, agents=2, budget_minutes=20, use_global_memory=False)).run()
+    assert summary["rounds"] and summary["rounds"][0]["attempts"]
+    kept = [a for a in summary["rounds"][0]["attempts"] if a["status"] == "keep"]
+    assert kept, summary
+    assert ws.repo.commit(BASE_BRANCH).hexsha != ws.stock_commit
+    assert summary["final_speedup"] > summary["stock_speedup"]

@@ -1,0 +1,120 @@
+"""`specpilot-tui`: the Textual workbench, or with `--auto` the same loop headless.
+
+    specpilot-tui [--workspace PATH]
+    specpilot-tui --auto --workspace PATH [--rounds N] [--agents K] [--agent tuner|llm]
+                  [--budget-minutes M] [--json]
+
+Headless, progress goes to stderr and a JSON summary to stdout (with --json; else a short table).
+The headless path never imports Textual.
+
+Exit status (--auto):
+    0  every round ran
+    2  usage error (one line on stderr)
+    3  the time budget ended first (the summary covers what ran; run again to go on)
+    4  interrupted (SIGINT/SIGTERM); the interrupted round resumes on the next run
+    5  internal failure (one line on stderr; the workspace stays recoverable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from workbench.cli_util import OneLineParser, fail, positive_int
+
+EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 2, 3, 4, 5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="specpilot-tui", description="SpecPilot workbench (Textual), or headless with --auto.")
+    p.add_argument("--workspace", help="workspace folder (default: the demo workspace, created on first run)")
+    p.add_argument("--auto", action="store_true", help="run the loop headless: progress on stderr, summary on stdout")
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--agents", type=positive_int, default=2, help="agents per round (in parallel)")
+    p.add_argument("--agent", choices=("tuner", "llm"), default="tuner")
+    p.add_argument("--budget-minutes", type=float, default=30.0)
+    p.add_argument("--no-global-memory", action="store_true",
+                   help="neither read nor write the global memory (a cold start)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def _progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _table(s: dict) -> str:
+    def x(v) -> str:
+        return f"{v:.2f}x" if v is not None else "-"
+
+    lines = [f"{s['deployment']}: stock {x(s['stock_speedup'])} over AR -> final {x(s['final_speedup'])} "
+             f"({x(s['improvement'])} stock) in {s['minutes']:.1f} min [{s['status']}]"]
+    for r in s["rounds"]:
+        lines.append(f"round {r['index']}: best {r['best_speedup_over_ar'] or 0:.2f}x over AR")
+        for a in r["attempts"]:
+            sp = f"{a['speedup']:.3f}x" if a.get("speedup") else "-"
+            lines.append(f"  {a['branch']:32s} {a['status']:8s} {sp:>7s}  {a['reason']}")
+    for m in s["accepted_mechanisms"]:
+        lines.append(f"accepted: {m['name']} ({m['family']})")
+    return "\n".join(lines)
+
+
+def run_auto(args: argparse.Namespace) -> int:
+    from workbench.loop import Loop, LoopOptions
+    from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
+
+    if args.budget_minutes <= 0:
+        return fail(f"--budget-minutes {args.budget_minutes:g}: must be positive")
+    try:
+        path = Path(args.workspace) if args.workspace else default_demo_path()
+        if not args.workspace and not (path / "specpilot.toml").exists():
+            _progress(f"creating the demo workspace at {path}")
+            init_demo(path)
+        ws = Workspace(path)
+    except WorkspaceError as e:
+        return fail(str(e))
+
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    opts = LoopOptions(rounds=args.rounds, agents=args.agents, agent=args.agent, budget_minutes=args.budget_minutes,
+                       use_global_memory=not args.no_global_memory, auto_accept=True)
+    try:
+        if opts.agent == "llm":  # fail now, in one line, rather than inside every agent
+            from workbench.agents.llm import LLMConfig, LLMConfigError
+
+            try:
+                LLMConfig.load(None)
+            except LLMConfigError as e:
+                return fail(str(e))
+        summary = Loop(ws, opts, progress=_progress).run()
+    except KeyboardInterrupt as e:
+        _progress(f"interrupted ({e or 'SIGINT'}); run the same command again to resume the round")
+        return EXIT_INTERRUPTED
+    except WorkspaceError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback; the store keeps the details
+        print(f"error: loop failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        ws.close()
+    print(json.dumps(summary) if args.json else _table(summary))
+    return EXIT_BUDGET if summary["status"] == "budget" else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.auto:
+        return run_auto(args)
+    from workbench.tui.app import main as tui_main  # Textual only here
+
+    return tui_main(["--workspace", args.workspace] if args.workspace else [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
