@@ -208,7 +208,7 @@ class SpecPilotApp(App[int]):
                 yield MemoryPane(id="memory-pane")
             with TabPane("Log", id="log"):
                 yield LogPane(id="log-pane")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         if not self.blink:
@@ -359,7 +359,8 @@ class SpecPilotApp(App[int]):
         def chosen(result: tuple[str, str] | None) -> None:
             if result is not None:
                 kind, family = result
-                self.notify(Text(f"launching a {kind} agent on {family}"), title="launch")
+                who = "an LLM" if kind == "llm" else "a tuner"
+                self.notify(Text(f"launching {who} agent on {family}"), title="launch")
                 self._launch(kind, family)
 
         self.push_screen(LaunchScreen(msg.directions), chosen)

@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Input, Label, ProgressBar, RichLog, Selec
 from store import Event, Mechanism
 from workbench.tui.data import BranchRow, RoundProgress, Snapshot
 
-FAMILY_WIDTH = 13
+FAMILY_WIDTH = 14
 
 
 def format_ts(ts: str) -> str:
@@ -70,7 +70,7 @@ class GapBars(Static):
 
 
 class SpeedupPlot(Vertical):
-    """Speedup over AR after each round, as a sparkline with the figures under it."""
+    """Speedup over AR after each round, as a sparkline from AR (1.0x) with the figures under it."""
 
     def compose(self) -> ComposeResult:
         yield Sparkline([], id="speedup-spark")
@@ -79,9 +79,10 @@ class SpeedupPlot(Vertical):
     def show(self, points: list[tuple[int, float]], stock: float | None) -> None:
         spark = self.query_one(Sparkline)
         values = ([stock] if stock is not None else []) + [v for _, v in points]
-        spark.data = values if len(values) > 1 else values * 2
+        spark.data = [1.0, *values]  # AR itself is the floor the plot rises from
         spark.display = bool(values)
         parts = ([f"stock {stock:.2f}x"] if stock is not None else []) + [f"r{n} {v:.2f}x" for n, v in points]
+        parts = ["AR 1.00x", *parts] if parts else parts
         self.query_one("#speedup-figures", Label).update(
             Text("  ".join(parts[-8:]) if parts else "no round finished yet", style="" if parts else "dim"))
 
@@ -217,6 +218,7 @@ class ForcingPane(Vertical):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.report: dict | None = None
+        self.caption = ""  # the current mismatch, in words
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="forcing-top"):
@@ -311,6 +313,7 @@ class ForcingPane(Vertical):
         caption = Text(f"mismatch {index + 1}/{len(mm)}: {cur['prompt_id']} ({cur['split']}) position "
                        f"{cur['position']}, stock margin {margin}: ", style="dim")
         caption.append(kind, style="yellow" if cur.get("near_tie") else "bold red")
+        self.caption = caption.plain
         side.update(Group(caption, grid))
 
     def action_next_mismatch(self) -> None:

@@ -1,0 +1,488 @@
+"""specpilot-tui: Pilot tests of every flow against a real workspace, and snapshots of every tab.
+
+The flows run on one small demo workspace (3 prompts: 2 visible, 1 hidden; 8 forced tokens) with real
+git, SQLite and harness runs: a branch that switches to the n-gram drafter (forcing clean), one with a
+wrong acceptance rule (forcing finds real mismatches), mechanisms recorded from them, and a round with
+the gap breakdown the loop recorded on the demo. The snapshots use a second workspace whose store
+holds fixed records, so the pictures do not move with timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import git
+import pytest
+
+from tests.conftest import needs_demo
+
+pytestmark = needs_demo
+
+# A base's gap breakdown as `Loop.gaps` recorded it on the demo workspace (ms per generated token).
+GAPS = {
+    "entry": {"name": "base", "tokens_per_s": 35.6, "tau": 2.667, "draft_len": 3, "new_tokens": 16,
+              "phase_ms_per_token": {"prefill": 12.478, "draft": 6.150, "verify": 8.808, "accept": 0.351}},
+    "breakdown": {
+        "method": "base", "modelled": False, "measured_ms_per_token": 28.080797, "tau": 2.6667, "oracle_tau": 4.0,
+        "gaps": [{"name": "prefill", "family": "compute", "ms_per_token": 12.478469},
+                 {"name": "host/launch overhead", "family": "host-overhead", "ms_per_token": 8.63292},
+                 {"name": "drafting", "family": "drafting", "ms_per_token": 6.150353},
+                 {"name": "acceptance gap", "family": "acceptance", "ms_per_token": 5.103323},
+                 {"name": "bookkeeping", "family": "host-overhead", "ms_per_token": 0.351133},
+                 {"name": "other host time", "family": "host-overhead", "ms_per_token": 0.292358},
+                 {"name": "compute", "family": "compute", "ms_per_token": 0.133349},
+                 {"name": "weight reads", "family": "weights", "ms_per_token": 0.040664},
+                 {"name": "KV reads", "family": "kv", "ms_per_token": 0.001551}],
+        "families": {"compute": 12.611818, "host-overhead": 9.276411, "drafting": 6.150353, "acceptance": 5.103323,
+                     "weights": 0.040664, "kv": 0.001551, "batching": 0.0},
+        "notes": []},
+}
+WRONG_ACCEPT = ("n = (draft == pred[:k]).to(torch.int64).cumprod(0).sum().view(1)",
+                "n = ((draft == pred[:k]).to(torch.int64).cumprod(0).sum() + 1).clamp(max=k).view(1)")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def until(pilot, cond, timeout: float = 60.0, what: str = "condition") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            notes = [f"{n.title}: {n.message}" for n in pilot.app._notifications]
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; notifications: {notes}")
+        await pilot.pause(0.05)
+
+
+async def opened(pilot) -> None:
+    app = pilot.app
+    await until(pilot, lambda: app.polls >= 1 and app.ws is not None, 30, "the workspace to open")
+
+
+def make_branch(ws, name: str, rel: str, old: str, new: str) -> None:
+    ws.create_branch(name)
+    f = ws.worktree_path(name) / rel
+    text = f.read_text()
+    assert old in text, f"{rel}: {old!r} not found"
+    f.write_text(text.replace(old, new, 1))
+    r = git.Repo(ws.worktree_path(name))
+    r.git.add("-A")
+    r.index.commit(f"{name}: {rel}")
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    from workbench.export import record_mechanism
+    from workbench.forcing import force
+    from workbench.workspace import init_demo
+
+    w = init_demo(tmp_path_factory.mktemp("tui") / "demo", forcing_max_new_tokens=8, prompt_limit=3, hidden=1,
+                  limits={"threads": 1, "start_s": 90, "request_s": 30, "memory_mb": 1536})
+    make_branch(w, "ngram", "system.toml", 'drafter = "draft-model"', 'drafter = "ngram"')
+    assert force(w, "ngram", progress=False)["status"] == "keep"
+    make_branch(w, "bad-verify", "decoder/verify.py", *WRONG_ACCEPT)
+    rep = force(w, "bad-verify", progress=False)
+    assert rep["status"] == "discard" and len(rep["mismatches"]) >= 2
+    record_mechanism(w, "ngram", "ngram-drafter", "drafting", "prompt lookup drafter instead of the draft model")
+    record_mechanism(w, "ngram", "ngram-short", "drafting", "prompt lookup with short suffixes")
+    w.memory.add_round(w.deployment_id(), status="done", base_commit=w.stock_commit,
+                       summary={"index": 1, "gaps": GAPS, "attempts": [], "best_speedup_over_ar": 1.31})
+    yield w
+    w.close()
+
+
+def app_for(ws, **kw):
+    from workbench.tui.app import make_app
+
+    return make_app(ws.path, poll_s=0.3, blink=False, **kw)
+
+
+def select_row(app, table_id: str, key: str) -> None:
+    from textual.widgets import DataTable
+
+    table = app.query_one(table_id, DataTable)
+    table.move_cursor(row=table.get_row_index(key))
+
+
+# -- flows -----------------------------------------------------------------------------------------------
+
+
+def test_overview_shows_deployment_gaps_and_rounds(ws):
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await opened(pilot)
+            snap = app.snapshot
+            assert snap.deployment["name"] == "demo" and snap.deployment["drafter"].endswith("drafter")
+            assert snap.families["compute"] == pytest.approx(12.611818) and snap.gaps_round == 1
+            assert snap.speedups == [(1, 1.31)]
+            bars = str(app.query_one("#gaps").render())
+            assert "compute" in bars and "12.612 ms" in bars and "█" in bars
+            rows = {b.name: b for b in snap.branches}
+            assert rows["ngram"].forcing == "clean" and rows["bad-verify"].forcing.endswith("real")
+
+    run(go())
+
+
+def test_forcing_navigation_between_mismatches(ws):
+    from workbench.tui.widgets import ForcingPane
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await opened(pilot)
+            await pilot.press("2")
+            select_row(app, "#branches-table", "bad-verify")
+            await pilot.press("f")
+            pane = app.query_one(ForcingPane)
+            await until(pilot, lambda: pane.report is not None and pane.report["branch"] == "bad-verify", 30,
+                        "the forcing report")
+            assert app.active_tab() == "forcing"
+            mm = pane.report["mismatches"]
+            assert len(mm) >= 2 and pane.current() == 0 and pane.report["prompts"]
+            assert f"position {mm[0]['position']}" in pane.caption
+            await pilot.press("n")
+            assert pane.current() == 1
+            assert f"mismatch 2/{len(mm)}" in pane.caption
+            for _ in range(len(mm) - 1):
+                await pilot.press("n")
+            assert pane.current() == 0  # wraps around
+            await pilot.press("p")
+            assert pane.current() == len(mm) - 1
+            assert f"mismatch {len(mm)}/{len(mm)}" in pane.caption and "margin" in pane.caption
+
+    run(go())
+
+
+def test_diff_and_help_and_palette(ws):
+    from textual.widgets import HelpPanel
+
+    from workbench.tui.app import SpecPilotCommands
+    from workbench.tui.screens import TextViewScreen
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2")
+            select_row(app, "#branches-table", "ngram")
+            await pilot.press("d")
+            await until(pilot, lambda: isinstance(app.screen, TextViewScreen), 20, "the diff")
+            assert 'drafter = "ngram"' in app.screen.text
+            await pilot.press("escape")
+            assert not isinstance(app.screen, TextViewScreen)
+            await pilot.press("question_mark")
+            await pilot.pause()
+            assert app.screen.query(HelpPanel)
+            await pilot.press("question_mark")
+            await pilot.pause()
+            assert not app.screen.query(HelpPanel)
+            names = [c[0] for c in SpecPilotCommands(app.screen).commands()]
+            assert "Merge ngram into base" in names and "Diff of ngram against stock" in names
+            assert not any(n.startswith("Steer") for n in names)  # no agent running
+            app.diff_branch("no-such-branch")  # a failure is a notification, not a traceback
+            await until(pilot, lambda: any("diff failed" in (n.title or "") for n in app._notifications), 20,
+                        "the failure notification")
+            assert app.is_running
+
+    run(go())
+
+
+def test_merge_into_base_asks_then_merges(ws):
+    from workbench.tui.screens import ConfirmScreen
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await opened(pilot)
+            await pilot.press("2")
+            select_row(app, "#branches-table", "ngram")
+            await pilot.press("m")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("n")  # declined: nothing happens
+            await pilot.pause(0.3)
+            assert "base" not in git.Repo(ws.path).heads or not git.Repo(ws.path).is_ancestor("ngram", "base")
+            await pilot.press("m")
+            await pilot.press("y")
+            await until(pilot, lambda: any(e.kind == "tui.merge" for e in ws.memory.list_events()), 30, "the merge")
+        repo = git.Repo(ws.path)
+        assert repo.is_ancestor(repo.commit("ngram"), repo.commit("base"))
+        assert 'drafter = "ngram"' in repo.git.show("base:system.toml")
+        assert repo.head.ref.name == "main"  # the workspace's own checkout is untouched
+
+    run(go())
+
+
+def test_accept_with_a_note_then_export(ws, tmp_path):
+    from store import Memory, global_memory_path
+    from workbench.tui.screens import TextInputScreen
+
+    m1 = next(m for m in ws.memory.list_mechanisms() if m.name == "ngram-drafter")
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("4")
+            await until(pilot, lambda: m1.id in app.mechanisms, 20, "the mechanisms")
+            select_row(app, "#mechanisms", str(m1.id))
+            await pilot.press("a")
+            assert isinstance(app.screen, TextInputScreen)
+            await pilot.press("enter")  # an empty note is refused, the dialog stays
+            assert isinstance(app.screen, TextInputScreen)
+            assert "note is required" in str(app.screen.query_one("#why").content)
+            await pilot.press(*"lossless, 8 positions clean")
+            await pilot.press("enter")
+            await until(pilot, lambda: ws.memory.get_mechanism(m1.id).status == "accepted", 20, "the verdict")
+            await until(pilot, lambda: app.mechanisms[m1.id].status == "accepted", 20, "the table to follow")
+            await pilot.press("e")
+            assert isinstance(app.screen, TextInputScreen)
+            app.screen.query_one("#text").value = str(tmp_path / "patches")
+            await pilot.press("enter")
+            await until(pilot, lambda: any((tmp_path / "patches").glob("*.patch")), 30, "the exported patches")
+        m = ws.memory.get_mechanism(m1.id)
+        assert m.reviewer_note == "lossless, 8 positions clean"
+        with Memory(global_memory_path()) as g:  # publish_verdict carried it to the global memory
+            assert [x.uid for x in g.list_mechanisms(status="accepted")] == [m.uid]
+        patch = next((tmp_path / "patches").glob("*.patch")).read_text()
+        assert 'drafter = "ngram"' in patch
+
+    run(go())
+
+
+def test_reject_and_search(ws):
+    m2 = next(m for m in ws.memory.list_mechanisms() if m.name == "ngram-short")
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await opened(pilot)
+            await pilot.press("4")
+            await until(pilot, lambda: m2.id in app.mechanisms, 20, "the mechanisms")
+            app.query_one("#memory-search").focus()
+            await pilot.press(*"suffixes", "enter")
+            await until(pilot, lambda: list(app.mechanisms) == [m2.id], 20, "the search result")
+            await pilot.press("r")
+            await pilot.press("escape")  # cancelled: nothing changes
+            await pilot.pause(0.3)
+            assert ws.memory.get_mechanism(m2.id).status == "candidate"
+            await pilot.press("r")
+            await pilot.press(*"slower than the plain ngram", "enter")
+            await until(pilot, lambda: ws.memory.get_mechanism(m2.id).status == "rejected", 20, "the verdict")
+            assert ws.memory.get_mechanism(m2.id).reviewer_note == "slower than the plain ngram"
+
+    run(go())
+
+
+def test_log_follows_the_store(ws):
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await opened(pilot)
+            await pilot.press("5")
+            log = app.query_one("#event-log")
+            n = len(log.lines)
+            assert n > 0
+            ws.memory.record_event("test.note", "a line written by another process")
+            await until(pilot, lambda: any("another process" in line.text for line in log.lines), 10,
+                        "the new event")
+
+    run(go())
+
+
+def test_launch_steer_stop_an_llm_agent(ws, monkeypatch):
+    from tests.openai_stub import OpenAIStub, call
+    from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen
+
+    def keep_looking(body):  # a model that keeps exploring until stopped
+        time.sleep(0.3)
+        return call("list_files", path=".")
+
+    with OpenAIStub([], after=keep_looking) as stub:
+        monkeypatch.setenv("OPENAI_BASE_URL", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("SPECPILOT_LLM_MODEL", "stub")
+
+        async def go():
+            app = app_for(ws)
+            async with app.run_test(size=(120, 40)) as pilot:
+                await opened(pilot)
+                await pilot.press("2", "l")
+                await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+                screen = app.screen
+                screen.query_one("#kind-llm").value = True
+                families = [f for f, _ in screen.directions]
+                assert families[0] == "compute"  # the largest gap first
+                screen.query_one("#direction").highlighted = families.index("drafting")
+                await pilot.press("enter")
+                await until(pilot, lambda: app.live, 20, "the launch")
+                branch = next(iter(app.live))
+                assert branch == "tui-llm-drafting-1"
+                await until(pilot, lambda: len(stub.requests) >= 1, 60, "the agent's first request")
+                await until(pilot, lambda: branch in app.query_one("#branches-table").rows, 10, "the branch row")
+                select_row(app, "#branches-table", branch)
+                await pilot.press("s")
+                assert isinstance(app.screen, TextInputScreen)
+                await pilot.press(*"try draft_len 2", "enter")
+                await until(pilot, lambda: any("Engineer: try draft_len 2" in json.dumps(r["body"])
+                                               for r in stub.requests), 20, "the steering message to reach the model")
+                await pilot.press("x")
+                assert isinstance(app.screen, ConfirmScreen)
+                await pilot.press("y")
+                await until(pilot, lambda: not app.live, 30, "the agent to stop")
+                await until(pilot, lambda: ws.branch(branch).status == "discarded", 10, "the attempt")
+                kinds = [e.kind for e in ws.memory.list_events()]
+                assert "llm.steering" in kinds and "tui.launch" in kinds
+                evals = ws.memory.list_evaluations(ws.branch(branch).id)
+                assert evals[-1].status == "discard"
+
+        run(go())
+
+
+@pytest.mark.slow
+def test_launch_a_tuner_runs_the_cascade(ws):
+    from workbench.tui.screens import LaunchScreen
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2", "l")
+            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+            screen = app.screen
+            screen.query_one("#direction").highlighted = [f for f, _ in screen.directions].index("drafting")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.live, 20, "the launch")
+            branch = next(iter(app.live))
+            await until(pilot, lambda: not app.live, 1500, "the tuner and its cascade")
+            assert ws.memory.list_evaluations(ws.branch(branch).id)
+
+    run(go())
+
+
+def test_startup_to_first_paint_is_quick(ws):
+    async def go():
+        from workbench.tui.app import make_app
+
+        t0 = time.perf_counter()
+        app = make_app(ws.path, blink=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            painted = time.perf_counter() - t0
+            await opened(pilot)
+            loaded = time.perf_counter() - t0
+        print(f"\nspecpilot-tui startup: first paint {painted:.2f} s, store shown {loaded:.2f} s")
+        assert painted < 2.0 and loaded < 4.0
+
+    run(go())
+
+
+def test_main_refuses_a_folder_that_is_not_a_workspace(tmp_path, capsys):
+    from workbench.tui.app import main
+
+    assert main(["--workspace", str(tmp_path)]) == 2
+    assert "not a SpecPilot workspace" in capsys.readouterr().err
+
+
+def test_demo_workspace_is_created_on_first_run(monkeypatch, tmp_path):
+    from workbench.tui.app import make_app
+
+    path = tmp_path / "data" / "demo"
+    monkeypatch.setattr("workbench.workspace.default_demo_path", lambda: path)
+
+    async def go():
+        app = make_app(demo_options={"prompt_limit": 3, "hidden": 1, "forcing_max_new_tokens": 8}, blink=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            assert app.query_one("#opening").display
+            await opened(pilot)
+            assert not app.query_one("#opening").display
+            assert app.snapshot.deployment["name"] == "demo"
+        assert (path / "specpilot.toml").exists()
+
+    run(go())
+
+
+# -- snapshots -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def snap_ws(tmp_path_factory):
+    """A real workspace whose store holds fixed records (no timings), for pictures that do not move."""
+    from tokenizers import Tokenizer
+
+    from workbench.forcing import forcing_prompt_texts
+    from workbench.workspace import init_demo
+
+    w = init_demo(tmp_path_factory.mktemp("snap") / "demo", forcing_max_new_tokens=8, prompt_limit=3, hidden=1)
+    mem, dep = w.memory, w.deployment_id()
+    mem.add_round(dep, status="done", base_commit=w.stock_commit,
+                  summary={"index": 1, "gaps": GAPS, "attempts": [], "best_speedup_over_ar": 1.18})
+    mem.add_round(dep, status="done", base_commit=w.stock_commit,
+                  summary={"index": 2, "gaps": GAPS, "attempts": [], "best_speedup_over_ar": 1.34})
+    directions = [{"family": "compute"}, {"family": "drafting"}]
+    mem.add_round(dep, status="running", base_commit=w.stock_commit,
+                  summary={"index": 3, "gaps": GAPS, "directions": directions, "attempts": [{"branch": "x"}]})
+    tok = Tokenizer.from_file(str(Path(w.config.tokenizer) / "tokenizer.json"))
+    prompts = []
+    for pid, split, _ in forcing_prompt_texts(w):
+        stock = tok.encode("    return self._value\n").ids[:8]
+        prompts.append({"id": pid, "split": split, "prompt_ids": [1, 2], "stock": stock, "margins": [3.0] * 8})
+    ref = {"stock_commit": w.stock_commit, "max_new_tokens": 8, "noise_floor": 0.0625, "prompts": prompts}
+    (w.state / "stock" / "fixed.json").write_text(json.dumps(ref))
+    rows = [("r3-compute-tuner", "tuner", "compute"), ("r3-drafting-llm", "llm", "drafting")]
+    for name, agent, fam in rows:
+        w.create_branch(name, agent=agent, direction=fam)
+    b1, b2 = w.branch(rows[0][0]), w.branch(rows[1][0])
+    mem.add_evaluation(b1.id, "forcing", "keep", "token-identical to stock on 24 positions",
+                       forcing={"match_rate": 1.0, "positions_checked": 24, "mismatches": [], "unexplained": 0})
+    mem.add_evaluation(b1.id, "bench", "keep", "1.142x [1.10, 1.19] over 6 passes", metrics={"speedup": 1.142})
+    mem.update_branch(b1.id, status="kept")
+    p0 = prompts[0]
+    mism = [{"prompt_id": p0["id"], "split": p0["split"], "position": pos, "stock_token": p0["stock"][pos],
+             "candidate_token": 7, "stock_text": tok.decode([p0["stock"][pos]]), "candidate_text": "[x]",
+             "margin": margin, "near_tie": margin < 0.125} for pos, margin in ((2, 1.72), (5, 0.09))]
+    mem.add_evaluation(b2.id, "forcing", "discard", "1 unexplained mismatch(es) in 24 positions",
+                       forcing={"match_rate": 22 / 24, "positions_checked": 24, "mismatches": mism, "unexplained": 1,
+                                "near_ties": 1, "near_tie_threshold": 0.125, "status": "discard"})
+    mem.update_branch(b2.id, status="mismatch")
+    mem.add_mechanism("ngram-drafter", "drafting", "prompt lookup drafter instead of the draft model",
+                      evidence=[{"deployment": "demo", "speedup": 1.142, "forcing": "clean"}], patch="x\n")
+    mem.add_mechanism("lean-forward", "host-overhead", "fused QKV and gate/up, preallocated KV",
+                      evidence=[{"deployment": "demo", "speedup": 1.27}, {"deployment": "gpu-a", "speedup": 1.4}],
+                      status="accepted", patch="y\n")
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def frozen(monkeypatch):
+    from workbench.tui import widgets
+
+    monkeypatch.setattr(widgets, "display_path", lambda p: "…/demo")
+    monkeypatch.setattr(widgets, "format_ts", lambda ts: "12:00:00")
+
+
+def snapshot_app(snap_ws, tab: str):
+    from workbench.tui.app import make_app
+    from workbench.tui.widgets import ForcingPane
+
+    app = make_app(snap_ws.path, poll_s=3600, blink=False)
+
+    async def ready(pilot):
+        await until(pilot, lambda: app.polls >= 1 and app.mechanisms, 30, "the store")
+        await until(pilot, lambda: app.query_one(ForcingPane).report is not None, 30, "the forcing report")
+        app.show_tab(tab)
+        await pilot.pause()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+
+    return app, ready
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["120x40", "80x24"])
+@pytest.mark.parametrize("tab", ["overview", "branches", "forcing", "memory", "log"])
+def test_snapshot(snap_ws, frozen, snap_compare, tab, size):
+    app, ready = snapshot_app(snap_ws, tab)
+    assert snap_compare(app, terminal_size=size, run_before=ready)
