@@ -137,11 +137,11 @@ class Loop:
             repo.create_head(AR_BRANCH, r.head.commit.hexsha)
 
     def base_commit(self) -> str:
-        return self.ws.repo.commit(BASE_BRANCH).hexsha
+        return self.ws.rev(BASE_BRANCH)
 
     def speedup_over_ar(self, commit: str, label: str) -> dict:
         """A paired benchmark of `commit` against the AR reference, on the visible prompts."""
-        ar_wt = self._internal_worktree("_ar", self.ws.repo.commit(AR_BRANCH).hexsha)
+        ar_wt = self._internal_worktree("_ar", self.ws.rev(AR_BRANCH))
         wt = self._internal_worktree("_measure", commit)
         prompts = load_prompts(self.ws)
         n = self.ws.config.forcing_max_new_tokens

@@ -134,11 +134,19 @@ class Workspace:
             self._memory.close()
             self._memory = None
 
+    def rev(self, ref: str) -> str:
+        """The commit a ref names. A `git rev-parse` process per call: GitPython's shared object reader
+        is not thread-safe, and agents run in threads."""
+        try:
+            return self.repo.git.rev_parse("--verify", "--quiet", f"{ref}^{{commit}}").strip()
+        except git.GitCommandError:
+            raise WorkspaceError(f"{ref!r} is not a commit, branch or tag of {self.path}") from None
+
     @property
     def stock_commit(self) -> str:
         try:
-            return self.repo.commit(STOCK_TAG).hexsha
-        except (git.BadName, ValueError):
+            return self.rev(STOCK_TAG)
+        except WorkspaceError:
             raise WorkspaceError(f"{self.path}: no '{STOCK_TAG}' tag; the workspace's first commit must be "
                                  f"tagged stock") from None
 
@@ -196,10 +204,7 @@ class Workspace:
             raise WorkspaceError(f"branch name {name!r} is not allowed; use letters, digits, '-', '_' and '.'")
         if self.find_branch(name) is not None or name in self.repo.heads:
             raise WorkspaceError(f"branch {name!r} already exists; pick another name or remove it first")
-        try:
-            base_sha = self.repo.commit(base).hexsha
-        except (git.BadName, ValueError):
-            raise WorkspaceError(f"base {base!r} is not a commit, branch or tag of this workspace") from None
+        base_sha = self.rev(base)
         wt = self.worktree_path(name)
         if wt.exists():
             shutil.rmtree(wt)  # a leftover of a crash: git no longer knows it (recover prunes)
@@ -208,7 +213,7 @@ class Workspace:
                                       agent=agent, direction=direction, head_commit=base_sha, worktree_path=wt)
 
     def head(self, name: str) -> str:
-        return self.repo.commit(name).hexsha
+        return self.rev(name)
 
     def list_branches(self) -> list[Branch]:
         return [b for b in self.memory.list_branches() if b.status != "removed"]

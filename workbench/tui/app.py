@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -38,7 +39,7 @@ from textual.widgets import (
     TabbedContent,
     TabPane,
 )
-from textual.worker import Worker, WorkerState
+from textual.worker import Worker, WorkerState, get_current_worker
 
 from workbench.tui import data
 from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen, TextViewScreen
@@ -102,7 +103,7 @@ class LaunchChoices(Message):
 
 
 class LaunchFinished(Message):
-    def __init__(self, branch: str, attempt: dict) -> None:
+    def __init__(self, branch: str, attempt: dict | None) -> None:
         super().__init__()
         self.branch, self.attempt = branch, attempt
 
@@ -193,26 +194,36 @@ class SpecPilotApp(App[int]):
     # -- layout ----------------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
+        # Kept as attributes: App.query_one looks at the active screen, which may be a modal.
+        self.opening = Vertical(id="opening")
+        self.opening_label = Label(Text(f"opening {self.workspace_path} ..."), id="opening-label")
+        self.tabs = TabbedContent(id="tabs")
+        self.overview = OverviewPane(id="overview-pane")
+        self.branches = BranchesPane(id="branches-pane")
+        self.forcing = ForcingPane(id="forcing-pane")
+        self.memory = MemoryPane(id="memory-pane")
+        self.log_pane = LogPane(id="log-pane")
         yield Header()
-        with Vertical(id="opening"):
-            yield Label(Text(f"opening {self.workspace_path} ..."), id="opening-label")
+        with self.opening:
+            yield self.opening_label
             yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="opening-bar")
-        with TabbedContent(id="tabs"):
-            with TabPane("Overview", id="overview"):
-                yield OverviewPane(id="overview-pane")
-            with TabPane("Branches", id="branches"):
-                yield BranchesPane(id="branches-pane")
-            with TabPane("Forcing", id="forcing"):
-                yield ForcingPane(id="forcing-pane")
-            with TabPane("Memory", id="memory"):
-                yield MemoryPane(id="memory-pane")
-            with TabPane("Log", id="log"):
-                yield LogPane(id="log-pane")
+        with self.tabs:
+            for (tab, label), pane in zip(TABS, (self.overview, self.branches, self.forcing, self.memory,
+                                                 self.log_pane), strict=True):
+                with TabPane(label, id=tab):
+                    yield pane
         yield Footer(compact=True)
+
+    def ui_alive(self) -> bool:
+        """False while the app shuts down: a worker's late message then has nothing to update."""
+        return self.is_running and self.overview.is_attached
+
+    def search_text(self) -> str:
+        return self.memory.query_one("#memory-search", Input).value
 
     def on_mount(self) -> None:
         if not self.blink:
-            for inp in self.query(Input):
+            for inp in self.memory.query(Input):
                 inp.cursor_blink = False
         self.open_workspace()
 
@@ -271,15 +282,34 @@ class SpecPilotApp(App[int]):
 
     @work(thread=True, group="launch", exit_on_error=False, name="launch")
     def _launch(self, kind: str, family: str) -> None:
+        """Runs the agent in a daemon thread and follows it, so quitting never waits for a long run: the
+        worker ends on cancel, the agent's harness processes die with the app (`recover` sorts the rest)."""
         branch = data.free_branch_name(self.ws, kind, family)
         launch = data.Launch(self.ws, kind, family, branch)
+        self.call_from_thread(self._register_launch, branch, launch)
+        result: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                result["attempt"] = launch.run()
+            except BaseException as e:  # noqa: BLE001 - reported by the worker below
+                result["error"] = e
+
+        thread = threading.Thread(target=body, name=f"agent-{branch}", daemon=True)
+        thread.start()
+        worker = get_current_worker()
+        while thread.is_alive():
+            thread.join(0.2)
+            if worker.is_cancelled:
+                launch.stop()
+                return
+        self.post_message(LaunchFinished(branch, result.get("attempt")))
+        if "error" in result:
+            raise result["error"]
+
+    def _register_launch(self, branch: str, launch: data.Launch) -> None:
         self.launches[branch] = launch
         self.live.add(branch)
-        try:
-            attempt = launch.run()
-        finally:
-            self.live.discard(branch)
-        self.post_message(LaunchFinished(branch, attempt))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """Any worker's failure is one line in a notification."""
@@ -290,26 +320,27 @@ class SpecPilotApp(App[int]):
         name = event.worker.name
         self.notify(Text(f"{type(err).__name__}: {first}" if first else type(err).__name__),
                     title=f"{name} failed", severity="error", timeout=10)
-        if name == "open workspace":
-            self.query_one("#opening-label", Label).update(
-                Text(f"could not open {self.workspace_path}: {first}", style="bold red"))
-            self.query_one("#opening-bar").display = False
+        if name == "open workspace" and self.ui_alive():
+            self.opening_label.update(Text(f"could not open {self.workspace_path}: {first}", style="bold red"))
+            self.opening.query_one("#opening-bar").display = False
         elif name == "launch":
             self.refresh_bindings()
 
     # -- worker results --------------------------------------------------------------------------------
 
     def on_opening(self, msg: Opening) -> None:
-        self.query_one("#opening-label", Label).update(Text(msg.text))
+        if self.ui_alive():
+            self.opening_label.update(Text(msg.text))
 
     def on_opened(self, msg: Opened) -> None:
         self.ws = msg.ws
         self.sub_title = msg.ws.config.name
-        self.query_one("#opening").display = False
+        if not self.ui_alive():
+            return
+        self.opening.display = False
         self.poll()
         self.load_mechanisms()
         self.set_interval(self.poll_s, self.poll)
-        self.query_one("#branches-table", DataTable).focus() if self.active_tab() == "branches" else None
 
     def poll(self) -> None:
         if self.ws is None or self._polling:
@@ -318,20 +349,22 @@ class SpecPilotApp(App[int]):
         self.poll_store()
 
     def on_polled(self, msg: Polled) -> None:
+        if not self.ui_alive():
+            return
         snap = msg.snap
         first = self.snapshot is None
         self.snapshot = snap
         self.last_event_id = snap.last_event_id
         ws_path = str(self.ws.path)
-        self.query_one(OverviewPane).show(snap, ws_path)
-        self.query_one(BranchesPane).show(snap.branches, self.live)
-        self.query_one(LogPane).add(snap.events, ws_path)
+        self.overview.show(snap, ws_path)
+        self.branches.show(snap.branches, self.live)
+        self.log_pane.add(snap.events, ws_path)
         forced = [b.name for b in snap.branches if b.forcing_report_id is not None]
-        self.query_one(ForcingPane).set_branches(forced, self.forcing_branch)
+        self.forcing.set_branches(forced, self.forcing_branch)
         if first and self.forcing_branch is None and forced:
             self.open_forcing(forced[-1], switch=False)
         if any(e.kind.startswith("mechanism") for e in snap.events) and not first:
-            self.load_mechanisms(self.query_one("#memory-search", Input).value)
+            self.load_mechanisms(self.search_text())
         rep = next((b for b in snap.branches if b.name == self.forcing_branch), None)
         if rep is not None and rep.forcing_report_id != getattr(self, "_forcing_report_id", None) and not first:
             self.load_forcing(rep.name)
@@ -339,23 +372,31 @@ class SpecPilotApp(App[int]):
         self.polls += 1
 
     def on_forcing_loaded(self, msg: ForcingLoaded) -> None:
-        if msg.branch == self.forcing_branch:
-            self.query_one(ForcingPane).show(msg.report)
+        if msg.branch == self.forcing_branch and self.ui_alive():
+            self.forcing.show(msg.report)
 
     def on_mechanisms_loaded(self, msg: MechanismsLoaded) -> None:
+        if not self.ui_alive():
+            return
         self.mechanisms = {m.id: m for m in msg.mechanisms}
-        self.query_one(MemoryPane).show(msg.mechanisms)
+        self.memory.show(msg.mechanisms)
 
     def on_done(self, msg: Done) -> None:
+        if not self.ui_alive():
+            return
         self.notify(Text(msg.text), title="done")
         if msg.refresh == "memory":
-            self.load_mechanisms(self.query_one("#memory-search", Input).value)
+            self.load_mechanisms(self.search_text())
         self.poll()
 
     def on_show_text(self, msg: ShowText) -> None:
-        self.push_screen(TextViewScreen(msg.title, msg.text, diff=msg.diff))
+        if self.ui_alive():
+            self.push_screen(TextViewScreen(msg.title, msg.text, diff=msg.diff))
 
     def on_launch_choices(self, msg: LaunchChoices) -> None:
+        if not self.ui_alive():
+            return
+
         def chosen(result: tuple[str, str] | None) -> None:
             if result is not None:
                 kind, family = result
@@ -366,7 +407,11 @@ class SpecPilotApp(App[int]):
         self.push_screen(LaunchScreen(msg.directions), chosen)
 
     def on_launch_finished(self, msg: LaunchFinished) -> None:
+        self.live.discard(msg.branch)
         a = msg.attempt
+        if a is None:  # failed: the worker's error notification says why
+            self.poll()
+            return
         self.notify(Text(f"{msg.branch}: {a.get('status')}: {a.get('reason')}"), title="agent finished",
                     severity="information" if a.get("status") == "keep" else "warning", timeout=8)
         self.poll()
@@ -374,21 +419,21 @@ class SpecPilotApp(App[int]):
     # -- navigation ------------------------------------------------------------------------------------
 
     def active_tab(self) -> str:
-        return self.query_one(TabbedContent).active
+        return self.tabs.active
 
     def action_show_tab(self, tab: str) -> None:
         self.show_tab(tab)
 
     def show_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
+        self.tabs.active = tab
         focus = {"branches": "#branches-table", "forcing": "#mismatches", "memory": "#mechanisms", "log": "#event-log"}
         if tab in focus:
-            self.query_one(focus[tab]).focus()
+            self.tabs.query_one(focus[tab]).focus()
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         if event.pane.id == "memory" and self.ws is not None:
-            self.load_mechanisms(self.query_one("#memory-search", Input).value)
+            self.load_mechanisms(self.search_text())
 
     def action_toggle_keys(self) -> None:
         if self.screen.query(HelpPanel):
@@ -397,10 +442,10 @@ class SpecPilotApp(App[int]):
             self.action_show_help_panel()
 
     def selected_branch(self) -> str | None:
-        return self.query_one(BranchesPane).selected()
+        return self.branches.selected()
 
     def selected_mechanism(self) -> int | None:
-        key = self.query_one(MemoryPane).selected()
+        key = self.memory.selected()
         return int(key) if key else None
 
     def _need_ws(self) -> bool:
@@ -492,7 +537,7 @@ class SpecPilotApp(App[int]):
 
     def open_forcing(self, branch: str, switch: bool = True) -> None:
         self.forcing_branch = branch
-        pane = self.query_one(ForcingPane)
+        pane = self.forcing
         sel = pane.query_one(Select)
         if branch in getattr(pane, "_names", []) and sel.value != branch:
             with sel.prevent(Select.Changed):
@@ -512,7 +557,7 @@ class SpecPilotApp(App[int]):
     def _search(self, event: Input.Submitted) -> None:
         if self._need_ws():
             self.load_mechanisms(event.value)
-            self.query_one("#mechanisms", DataTable).focus()
+            self.memory.query_one("#mechanisms", DataTable).focus()
 
     def action_accept(self) -> None:
         self._verdict_selected("accepted")

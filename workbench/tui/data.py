@@ -341,4 +341,14 @@ class Launch:
                                                                         "committed": res.committed})
         ceiling = (loop.state.get("ceiling") or loop.ceiling()) if res.committed else 0.0
         base_ar = float(loop.state.get("base_speedup_over_ar", 1.0))
-        return loop._attempt(self.branch, d, agent.name, res, base, base_ar, ceiling)
+        att = loop._attempt(self.branch, d, agent.name, res, base, base_ar, ceiling)
+        if att["status"] == "keep":  # a candidate for the engineer to accept or reject in the Memory tab
+            from workbench.export import record_mechanism
+
+            ev = {"deployment": ws.config.name, "speedup": att["speedup"],
+                  "speedup_over_ar": att.get("speedup_over_ar"), "branch": self.branch, "forcing": "clean",
+                  "config": att.get("config") or {}}
+            m = record_mechanism(ws, self.branch, att.get("mechanism") or self.branch, self.family,
+                                 att.get("summary") or att["reason"], evidence=ev, base=base)
+            att["mechanism_id"] = m.id
+        return att
