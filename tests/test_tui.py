@@ -297,8 +297,8 @@ def test_launch_steer_stop_an_llm_agent(ws, monkeypatch):
     from tests.openai_stub import OpenAIStub, call
     from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen
 
-    def keep_looking(body):  # a model that keeps exploring until stopped
-        time.sleep(0.3)
+    def keep_looking(body):  # a model that keeps exploring until stopped (40 turns: 40 s of budget)
+        time.sleep(1.0)
         return call("list_files", path=".")
 
     with OpenAIStub([], after=keep_looking) as stub:
