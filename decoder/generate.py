@@ -8,6 +8,7 @@ causal cache entry depends only on the tokens before it.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +158,9 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
     return Generation(new, stats)
 
 
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {cuda_graphs: lean runner}
+
+
 def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False
              ) -> Generation:
     """Dispatch on cfg.method: the AR baseline or speculative decoding with cfg.drafter."""
@@ -169,7 +173,11 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         from decoder.lean import LeanLM, StaticLeanLM
 
         def lean(m):
-            return StaticLeanLM(LeanLM(m)) if cfg.cuda_graphs else LeanLM(m)
+            # Built once per model and kept: fusing the projections copies every weight.
+            per_model = _LEAN.setdefault(m, {})
+            if cfg.cuda_graphs not in per_model:
+                per_model[cfg.cuda_graphs] = StaticLeanLM(LeanLM(m)) if cfg.cuda_graphs else LeanLM(m)
+            return per_model[cfg.cuda_graphs]
 
         target = lean(target)
         drafter_model = lean(drafter_model) if drafter_model is not None else None

@@ -262,7 +262,7 @@ class Loop:
 
         ctx = AgentContext(branch, self.ws.worktree_path(branch), d, gaps["breakdown"]["gaps"], visible,
                            self._smoke(branch), log, q, stop)
-        self.ws.memory.update_branch(b.id, status="running")
+        self.ws.begin_evaluation(b, "running")
         try:
             return agent.run(ctx)
         except Exception as e:  # noqa: BLE001 - an agent's failure is an attempt's result, not the loop's

@@ -34,7 +34,7 @@ from store import Branch, Memory
 STOCK_TAG = "stock"
 MANUAL_ROUND = "manual"  # branches made by hand (`specpilot branch create`) belong to the round in this status
 NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-LIVE_STATUSES = ("evaluating",)
+LIVE_STATUSES = ("evaluating", "running")  # an evaluation or an agent in progress
 
 
 class WorkspaceError(Exception):
@@ -248,11 +248,12 @@ class Workspace:
                 done.append(f"removed stale worktree folder {d.name}")
         for name, b in known.items():
             if b.status in LIVE_STATUSES and not _alive(self._lock_pid(name)):
-                self.memory.add_evaluation(b.id, "forcing", "crash",
-                                           "interrupted: the harness died during the evaluation")
+                what = "the evaluation" if b.status == "evaluating" else "the agent's work"
+                self.memory.add_evaluation(b.id, "forcing" if b.status == "evaluating" else "agent", "crash",
+                                           f"interrupted: the process died during {what}")
                 self.memory.update_branch(b.id, status="interrupted")
                 self._lock_path(name).unlink(missing_ok=True)
-                done.append(f"branch {name}: interrupted evaluation recorded as a crash")
+                done.append(f"branch {name}: interrupted {b.status} recorded as a crash")
             wt = self.worktree_path(name)
             if not wt.exists():
                 if name in self.repo.heads:
@@ -281,9 +282,10 @@ class Workspace:
         except (OSError, ValueError):
             return None
 
-    def begin_evaluation(self, b: Branch) -> None:
+    def begin_evaluation(self, b: Branch, status: str = "evaluating") -> None:
+        """Mark a branch as worked on by this process (`evaluating`, or `running` for an agent)."""
         self._lock_path(b.name).write_text(str(os.getpid()))
-        self.memory.update_branch(b.id, status="evaluating")
+        self.memory.update_branch(b.id, status=status)
 
     def end_evaluation(self, b: Branch, status: str) -> None:
         self.memory.update_branch(b.id, status=status, head_commit=self.head(b.name))

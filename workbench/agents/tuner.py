@@ -127,6 +127,8 @@ class TunerAgent:
                 with measurement_lock():
                     sp.generate(use[0].ids, 4, config=base.as_dict())  # warm
                     for c in [base_c, *alive]:
+                        if ctx.stop.is_set():
+                            return AgentResult(False, "stopped by the engineer before a winner was found")
                         tps, bad = self._score(sp, c.cfg, use, n, ref, threshold)
                         if bad:
                             ctx.log("tuner.drop", f"{c.changes} changes the output ({bad})", {"changes": c.changes})
