@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo bench-prose test test-slow lint train-demo clean
+.PHONY: setup demo loop-demo bench-prose test test-slow lint train-demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/specpilot bench --deployment demo --prompts code --max-new-tokens 128
 	$(VENV)/bin/specpilot bench --deployment demo --prompts prose --max-new-tokens 128
+
+# The agentic loop, headless, on a demo workspace under build/ (created on first use; resumes if killed).
+LOOP_WS ?= build/demo-workspace
+loop-demo: setup
+	test -f $(LOOP_WS)/specpilot.toml || $(VENV)/bin/specpilot init demo $(LOOP_WS)
+	$(VENV)/bin/specpilot-tui --auto --workspace $(LOOP_WS) --rounds 3 --agents 2 --json
 
 test: setup
 	$(PY) -m pytest -q

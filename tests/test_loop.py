@@ -132,3 +132,29 @@ def test_one_round_of_the_tuner_keeps_a_lossless_speedup(ws):
     assert kept, summary
     assert ws.repo.commit(BASE_BRANCH).hexsha != ws.stock_commit
     assert summary["final_speedup"] > summary["stock_speedup"]
+
+
+@pytest.mark.slow
+def test_a_round_with_the_llm_agent_against_a_local_openai_server(tmp_path):
+    """The LLM agent in the loop, end to end: a scripted server (the test double for a hosted LLM) sends a
+    malformed call, an edit whose SEARCH text does not match, a 500, then the right edit and finish; the
+    branch gets the intended commit, the failures went back to the model, and the cascade keeps it."""
+    from tests.openai_stub import OpenAIStub, call, calls, http_error
+
+    w = init_demo(tmp_path / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1)
+    fix = "<<<<<<< SEARCH\nlean_forward = false\n=======\nlean_forward = true\n>>>>>>> REPLACE\n"
+    wrong = "<<<<<<< SEARCH\nlean_forward = no\n=======\nlean_forward = true\n>>>>>>> REPLACE\n"
+    script = [call("read_file", raw_arguments="{not json"), call("edit", path="system.toml", blocks=wrong),
+              http_error(500), calls([("edit", json.dumps({"path": "system.toml", "blocks": fix})),
+                                      ("finish", json.dumps({"summary": "fused lean forward",
+                                                             "mechanism_name": "lean-forward"}))])]
+    with OpenAIStub(script) as stub:
+        opts = LoopOptions(rounds=1, agents=1, agent="llm", budget_minutes=20, use_global_memory=False,
+                           llm={"base_url": stub.base_url, "model": "stub", "api_key": "sk-test", "backoff_s": 0.1})
+        summary = Loop(w, opts).run()
+        sent = json.dumps([r["body"] for r in stub.requests])
+    att = summary["rounds"][0]["attempts"][0]
+    assert att["agent"] == "llm" and "lean_forward = true" in w.repo.git.show(f"{att['branch']}:system.toml")
+    assert "SEARCH" in sent and "nearest" in sent.lower()  # the failed block went back with the nearest lines
+    assert att["status"] == "keep", att
+    assert summary["final_speedup"] > summary["stock_speedup"]
