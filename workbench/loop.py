@@ -503,11 +503,14 @@ def merge_branch(wt: git.Repo, branch: str, config_file: str) -> tuple[bool, str
         wt.git.merge("--abort")
         return False, f"conflicts in {', '.join(conflicted) or 'the tree'}"
     base_sha = wt.git.merge_base("HEAD", branch)
+    from decoder.config import DecodeConfig
+
     try:
         b, o, t = (tomllib.loads(wt.git.show(f"{ref}:{config_file}")) for ref in (base_sha, "HEAD", branch))
     except tomllib.TOMLDecodeError as e:
         wt.git.merge("--abort")
         return False, f"{config_file} is not TOML on one side ({e})"
+    b, o, t = (x.get("decode", x) for x in (b, o, t))  # DecodeConfig's table
     merged = {}
     for k in sorted(set(b) | set(o) | set(t)):
         bv, ov, tv = b.get(k), o.get(k), t.get(k)
@@ -518,8 +521,6 @@ def merge_branch(wt: git.Repo, branch: str, config_file: str) -> tuple[bool, str
         else:
             wt.git.merge("--abort")
             return False, f"both set {k} ({ov!r} vs {tv!r})"
-    from decoder.config import DecodeConfig
-
     try:
         cfg = DecodeConfig(**{k: v for k, v in merged.items() if v is not None})
     except Exception as e:  # noqa: BLE001 - ConfigError or an unknown key: not mergeable
