@@ -78,7 +78,7 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
         target, drafter, args.prompts, args.max_new_tokens, parse_batch_sizes(args.batch_sizes),
         deployment=deployment, prompt_dir=prompt_dir, drafters=drafters, draft_len=args.draft_len,
         ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-        dtype=args.dtype, device=args.device, limit=args.limit, progress=not args.quiet,
+        dtype=args.dtype, device=args.device, limit=args.limit, progress=not args.quiet, repeats=args.repeats,
     )
     print(json.dumps(report) if args.json else format_batch_table(report))
     if args.out:
@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", help="batched AR vs batched SD at these batch sizes (e.g. 1,4,8,16), each "
                    "batching mechanism on and off, instead of the single-request methods")
     b.add_argument("--batch-drafters", help="with --batch-sizes: draft-model, ngram or both (default: both)")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.add_argument("--out", help="also write the JSON report to this file")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
