@@ -30,6 +30,11 @@ class DecodeConfig:
     lean_forward: bool = False  # mechanism lean_forward (host-overhead): fused, preallocated-KV forward
     cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
+    # Batching mechanisms (decoder/batch.py; used by the batched engine only, all off in stock).
+    ragged_verify: bool = False  # mechanism ragged-verify: forwards compute real rows only, no padded rectangle
+    load_aware_draft: bool = False  # mechanism load-aware-drafting: per-request k from batch load and acceptance
+    load_aware_fixed_rows: int = 64  # its cost model: a forward's fixed cost in target rows (weights read, overhead)
+    continuous_batching: bool = False  # mechanism continuous-batching: finished requests leave, new ones join
     dtype: str = "bfloat16"
     device: str = "cpu"
 
@@ -60,6 +65,10 @@ class DecodeConfig:
             raise bad("weight_format", "choose bf16 or w12")
         if self.weight_format == "w12" and self.lean_forward:
             raise bad("weight_format", "w12 does not combine with lean_forward yet; turn one off")
+        if not 1 <= self.load_aware_fixed_rows <= 4096:
+            raise bad("load_aware_fixed_rows", "use 1 to 4096 (target rows one forward's fixed cost is worth)")
+        if self.load_aware_draft and self.method != "sd":
+            raise bad("load_aware_draft", "it chooses draft lengths; set method = \"sd\" or turn it off")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
 

@@ -70,6 +70,31 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         requires={"lean_forward": True},
         devices=("cuda",),
     ),
+    Mechanism(
+        name="ragged-verify", family="batching",
+        keys={"ragged_verify": (False, True)},
+        stock={"ragged_verify": False},
+        applies="batched decoding where requests feed different numbers of tokens (ragged drafts, finished rows)",
+        summary="batched forwards pack only real rows of all requests into one [sum q_i] token batch for the "
+                "projections and MLP; attention per request by mask and positions (decoder/batch.py)",
+    ),
+    Mechanism(
+        name="load-aware-drafting", family="batching",
+        keys={"load_aware_draft": (False, True), "load_aware_fixed_rows": (8, 16, 32, 64, 128, 256)},
+        stock={"load_aware_draft": False, "load_aware_fixed_rows": 64},
+        applies="batched SD where a full batch makes every verified row cost target compute",
+        summary="per-request draft length from the batch size and each request's running acceptance: a "
+                "draft token is kept while its expected yield beats the step's tokens per row of cost",
+        requires={"method": "sd"},
+    ),
+    Mechanism(
+        name="continuous-batching", family="batching",
+        keys={"continuous_batching": (False, True)},
+        stock={"continuous_batching": False},
+        applies="serving with requests of uneven length or arriving over time",
+        summary="finished requests leave the batch and waiting ones join between steps (their prefill is "
+                "one forward), so the batch never waits for its slowest request",
+    ),
 )}
 
 

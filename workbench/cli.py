@@ -44,6 +44,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         else:
             target, drafter, prompt_dir = bench_deployment(args.deployment)
             deployment = args.deployment
+        if args.batch_sizes:
+            return _batch_bench(args, target, drafter, prompt_dir, deployment)
         methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ALL_METHODS
         if drafter is None and not args.methods:
             methods = tuple(m for m in methods if m not in DRAFT_MODEL_METHODS)
@@ -59,6 +61,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(format_table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, prompt_dir: Path | None,
+                 deployment: str) -> int:
+    """`bench --batch-sizes`: batched AR against batched SD with the batching mechanisms on and off."""
+    from decoder.batch_bench import BATCH_DRAFTERS, format_batch_table, parse_batch_sizes, run_batch_bench
+
+    drafters = tuple(d.strip() for d in args.batch_drafters.split(",")) if args.batch_drafters else BATCH_DRAFTERS
+    if drafter is None and not args.batch_drafters:
+        drafters = ("ngram",)
+    report = run_batch_bench(
+        target, drafter, args.prompts, args.max_new_tokens, parse_batch_sizes(args.batch_sizes),
+        deployment=deployment, prompt_dir=prompt_dir, drafters=drafters, draft_len=args.draft_len,
+        ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        dtype=args.dtype, device=args.device, limit=args.limit, progress=not args.quiet, repeats=args.repeats,
+    )
+    print(json.dumps(report) if args.json else format_batch_table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
@@ -107,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=positive_int, help="use only the first N prompts")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     b.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    b.add_argument("--batch-sizes", help="batched AR vs batched SD at these batch sizes (e.g. 1,4,8,16), each "
+                   "batching mechanism on and off, instead of the single-request methods")
+    b.add_argument("--batch-drafters", help="with --batch-sizes: draft-model, ngram or both (default: both)")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.add_argument("--out", help="also write the JSON report to this file")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

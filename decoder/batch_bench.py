@@ -1,0 +1,296 @@
+"""`specpilot bench --batch-sizes ...`: batched AR against batched SD, each batching mechanism on and off,
+and a stream of requests arriving over time under continuous against static batching.
+
+Every request's output is checked against its single-request greedy run (our `ar_generate` on the
+stock Hugging Face target); a divergence is explained when stock's top-2 logit margin there is below
+twice the noise floor (decoder/bench.py), measured here with verify widths up to the widest batched
+forward, since a batched bf16 matmul may round differently from a batch-1 one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from decoder.batch import BatchEngine, BatchLM, BatchRun, Request, poisson_arrivals
+from decoder.bench import BenchError, first_divergence, load_prompts, noise_floor, top2_margin
+from decoder.config import DecodeConfig
+from decoder.generate import ar_generate
+from decoder.models import check_same_tokenizer, load_causal_lm, load_tokenizer
+
+MECHANISMS = ("ragged_verify", "load_aware_draft", "continuous_batching")
+BATCH_DRAFTERS = ("draft-model", "ngram")
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,4,8,16' -> (1, 4, 8, 16); names the bad value otherwise."""
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BenchError(f"--batch-sizes {text}: use comma-separated positive integers, e.g. 1,4,8,16") from None
+    if not sizes or any(b < 1 or b > 256 for b in sizes):
+        raise BenchError(f"--batch-sizes {text}: use comma-separated integers from 1 to 256, e.g. 1,4,8,16")
+    return sizes
+
+
+class _Checker:
+    """Single-request greedy references and the margin test for divergences."""
+
+    def __init__(self, target, encoded: list[list[int]], max_new_tokens: int, widths: tuple[int, ...],
+                 noise_prompts: int = 4) -> None:
+        self.target = target
+        cfg = DecodeConfig(method="ar", max_new_tokens=max_new_tokens)
+        self.refs = [ar_generate(target, ids, cfg).tokens for ids in encoded]
+        self.encoded = encoded
+        pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], self.refs[:noise_prompts], strict=True)]
+        self.floor = noise_floor(target, pairs, widths)
+        self._margins: dict[tuple[int, int], float] = {}
+
+    def check(self, outputs: list[list[int]], which: list[int]) -> dict:
+        mismatched, unexplained, divergences = 0, 0, []
+        for out, i in zip(outputs, which, strict=True):
+            ref = self.refs[i]
+            pos = first_divergence(out, ref)
+            if pos is None:
+                continue
+            mismatched += 1
+            if (i, pos) not in self._margins:
+                self._margins[(i, pos)] = (top2_margin(self.target, self.encoded[i] + ref[:pos])
+                                           if pos < len(ref) else float("inf"))
+            margin = self._margins[(i, pos)]
+            unexplained += not margin < 2 * self.floor
+            divergences.append({"request": i, "position": pos, "margin": round(margin, 5),
+                                "explained": margin < 2 * self.floor})
+        return {"mismatched_requests": mismatched, "unexplained_mismatches": unexplained, "divergences": divergences}
+
+
+def _combos(names: tuple[str, ...]) -> list[dict[str, bool]]:
+    return [dict(zip(names, bits, strict=True)) for bits in itertools.product((False, True), repeat=len(names))]
+
+
+def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: str, max_new_tokens: int,
+                    batch_sizes: tuple[int, ...], deployment: str = "custom", prompt_dir: Path | None = None,
+                    drafters: tuple[str, ...] = BATCH_DRAFTERS, draft_len: int = 3, ngram_draft_len: int = 8,
+                    ngram_max: int = 4, ngram_min: int = 1, dtype: str = "bfloat16", device: str = "cpu",
+                    limit: int | None = None, noise_prompts: int = 4, progress: bool = True,
+                    repeats: int = 1) -> dict:
+    """Per batch size: batched AR and batched SD tokens/s for every on/off combination of the three
+    batching mechanisms (AR with the same ragged/continuous setting: load-aware drafting has no AR twin)."""
+    if max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    if repeats < 1:
+        raise BenchError(f"--repeats {repeats}: must be at least 1")
+    bad = [d for d in drafters if d not in BATCH_DRAFTERS]
+    if bad:
+        raise BenchError(f"--batch-drafters: unknown {', '.join(bad)}; choose from {', '.join(BATCH_DRAFTERS)}")
+    if "draft-model" in drafters and drafter_dir is None:
+        raise BenchError("--batch-drafters draft-model needs --drafter DIR (or use --batch-drafters ngram)")
+    prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
+    if limit:
+        prompts = prompts[:limit]
+    if "draft-model" in drafters:
+        check_same_tokenizer(target_dir, drafter_dir)
+    tok = load_tokenizer(target_dir, "target")
+    target = load_causal_lm(target_dir, "target", dtype, device)
+    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if "draft-model" in drafters else None
+    eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
+    encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    bt, bd = BatchLM(target), (BatchLM(drafter) if drafter is not None else None)
+    base = DecodeConfig(max_new_tokens=max_new_tokens, ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype,
+                        device=device)
+    sd_cfgs = {d: replace(base, method="sd", drafter=d, draft_len=draft_len if d == "draft-model" else ngram_draft_len)
+               for d in drafters}
+    widest = max(batch_sizes) * (max(draft_len, ngram_draft_len) + 1)
+    widths = tuple(sorted({draft_len + 1, ngram_draft_len + 1, min(widest, 64)}))
+    checker = _Checker(target, encoded, max_new_tokens, widths, noise_prompts)
+    reqs = [Request(ids, 0.0, i) for i, ids in enumerate(encoded)]
+
+    def timed(cfg: DecodeConfig, b: int) -> tuple[BatchRun, dict]:
+        run = BatchEngine(bt, cfg, b, bd if cfg.method == "sd" and cfg.drafter == "draft-model" else None,
+                          eos).run(reqs)
+        return run, checker.check([r.tokens for r in run.results], list(range(len(reqs))))
+
+    # Warm-up: one-time allocator and kernel costs, on a short run of each kind.
+    for cfg in (replace(base, method="ar"), *sd_cfgs.values()):
+        BatchEngine(bt, replace(cfg, max_new_tokens=8), 2, bd if cfg.drafter == "draft-model" else None,
+                    eos).run(reqs[:2])
+
+    combos = _combos(MECHANISMS)
+    ar_keys = list(itertools.product((False, True), repeat=2))  # (ragged_verify, continuous_batching)
+    sd_keys = [(d, i) for d in sd_cfgs for i in range(len(combos))]
+    total = len(batch_sizes) * repeats * (len(ar_keys) + len(sd_keys))
+    bar = tqdm(total=total, desc="batch bench", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    rows = []
+    for b in batch_sizes:
+        # Every configuration runs `repeats` times, interleaved, and keeps its fastest run: load from
+        # other processes on a shared machine only ever slows a run down.
+        best: dict = {}
+        for _ in range(repeats):
+            for key in ar_keys + sd_keys:
+                if key in ar_keys:
+                    cfg = replace(base, method="ar", ragged_verify=key[0], continuous_batching=key[1])
+                else:
+                    cfg = replace(sd_cfgs[key[0]], **combos[key[1]])
+                run, chk = timed(cfg, b)
+                bar.update(1)
+                if key not in best or run.wall_s < best[key][0].wall_s:
+                    unexplained = max(chk["unexplained_mismatches"], best[key][1]["unexplained_mismatches"]
+                                      if key in best else 0)
+                    best[key] = (run, {**chk, "unexplained_mismatches": unexplained})
+        plain_ar = best[(False, False)][0].tokens_per_s
+        for d, i in sd_keys:
+            mech = combos[i]
+            run, chk = best[(d, i)]
+            ar, ar_chk = best[(mech["ragged_verify"], mech["continuous_batching"])]
+            rows.append({
+                "batch_size": b,
+                "ar_tokens_per_s": round(ar.tokens_per_s, 2),
+                "sd_tokens_per_s": round(run.tokens_per_s, 2),
+                "speedup": round(run.tokens_per_s / ar.tokens_per_s, 4),
+                "mechanisms": mech,
+                # Extra fields.
+                "drafter": d,
+                "draft_len": sd_cfgs[d].draft_len,
+                "speedup_vs_plain_ar": round(run.tokens_per_s / plain_ar, 4),
+                "tau": round(run.stats.tau, 4),
+                "acceptance_rate": round(run.stats.acceptance_rate, 4),
+                "mean_draft_len": round(run.stats.drafted / max(1, run.stats.draft_steps), 3),
+                "sd_steps": run.steps,
+                "ar_steps": ar.steps,
+                "new_tokens": run.new_tokens,
+                "phase_ms_per_token": {k: round(1000 * v / max(1, run.new_tokens), 4)
+                                       for k, v in run.stats.phase_s.items()},
+                **chk,
+                "ar_unexplained_mismatches": ar_chk["unexplained_mismatches"],
+            })
+    bar.close()
+    return {
+        "deployment": deployment,
+        "prompts": prompts_name,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "dtype": dtype,
+        "device": device,
+        "noise_floor": round(checker.floor, 6),
+        "noise_widths": list(widths),
+        "batch": rows,
+        "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
+                   "ngram_min": ngram_min, "load_aware_fixed_rows": base.load_aware_fixed_rows,
+                   "threads": torch.get_num_threads(), "repeats": repeats},
+        "torch": torch.__version__,
+    }
+
+
+def _mech_label(mech: dict[str, bool]) -> str:
+    short = {"ragged_verify": "ragged", "load_aware_draft": "load-aware", "continuous_batching": "continuous"}
+    on = [short[k] for k, v in mech.items() if v]
+    return "+".join(on) if on else "plain"
+
+
+def format_batch_table(report: dict) -> str:
+    head = (f"deployment {report['deployment']} · prompts {report['prompts']} ({report['num_prompts']}) · "
+            f"{report['max_new_tokens']} new tokens · {report['dtype']} on {report['device']} · "
+            f"noise floor {report['noise_floor']:.4f}")
+    cols = ("B", "drafter", "mechanisms", "AR tok/s", "SD tok/s", "speedup", "vs plain AR", "tau", "k mean",
+            "unexplained")
+    rows = [(str(r["batch_size"]), r["drafter"], _mech_label(r["mechanisms"]), f"{r['ar_tokens_per_s']:.1f}",
+             f"{r['sd_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['speedup_vs_plain_ar']:.2f}x",
+             f"{r['tau']:.2f}", f"{r['mean_draft_len']:.2f}", str(r["unexplained_mismatches"]))
+            for r in report["batch"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    for b in sorted({r["batch_size"] for r in report["batch"]}):
+        at = [r for r in report["batch"] if r["batch_size"] == b]
+        for d in sorted({r["drafter"] for r in at}):
+            mine = [r for r in at if r["drafter"] == d]
+            plain = next(r for r in mine if not any(r["mechanisms"].values()))
+            best = max(mine, key=lambda r: r["sd_tokens_per_s"])
+            lines.append(f"B={b} {d}: best {_mech_label(best['mechanisms'])} {best['sd_tokens_per_s']:.1f} tok/s "
+                         f"({best['speedup_vs_plain_ar']:.2f}x plain AR) vs plain SD {plain['sd_tokens_per_s']:.1f} "
+                         f"tok/s ({plain['speedup']:.2f}x)")
+    lossless = all(r["unexplained_mismatches"] == 0 and r["ar_unexplained_mismatches"] == 0 for r in report["batch"])
+    lines.append("every request lossless against its single-request run (no unexplained mismatch)" if lossless
+                 else "LOSSLESS CHECK FAILED: see unexplained mismatches above")
+    return "\n".join(lines)
+
+
+def run_stream_bench(target_dir: Path, drafter_dir: Path | None, prompt_specs: list[str], max_new_tokens: int,
+                     batch_size: int, n_requests: int, rate_per_s: float, prompt_dir: Path | None = None,
+                     drafter: str = "draft-model", draft_len: int = 3, ngram_draft_len: int = 8,
+                     mechanisms: dict[str, bool] | None = None, dtype: str = "bfloat16", device: str = "cpu",
+                     seed: int = 0, noise_prompts: int = 4) -> dict:
+    """A stream of n requests with Poisson arrivals, decoded by batched SD under static and under
+    continuous batching (same arrivals, same other mechanisms); throughput, latency and losslessness."""
+    if n_requests < 1:
+        raise BenchError(f"--requests {n_requests}: must be at least 1")
+    prompts = [p for spec in prompt_specs for p in load_prompts(spec, prompt_dir)[1]]
+    prompts = [prompts[i % len(prompts)] for i in range(n_requests)]
+    if drafter == "draft-model":
+        if drafter_dir is None:
+            raise BenchError("--drafter draft-model needs a draft model directory")
+        check_same_tokenizer(target_dir, drafter_dir)
+    tok = load_tokenizer(target_dir, "target")
+    target = load_causal_lm(target_dir, "target", dtype, device)
+    dm = load_causal_lm(drafter_dir, "drafter", dtype, device) if drafter == "draft-model" else None
+    eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
+    encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    bt, bd = BatchLM(target), (BatchLM(dm) if dm is not None else None)
+    k = draft_len if drafter == "draft-model" else ngram_draft_len
+    checker = _Checker(target, encoded, max_new_tokens, tuple(sorted({k + 1, 64})), noise_prompts)
+    arrivals = poisson_arrivals(n_requests, rate_per_s, seed)
+    reqs = [Request(ids, t, i) for i, (ids, t) in enumerate(zip(encoded, arrivals, strict=True))]
+    base = DecodeConfig(method="sd", drafter=drafter, draft_len=k, max_new_tokens=max_new_tokens, dtype=dtype,
+                        device=device, **(mechanisms or {}))
+    BatchEngine(bt, replace(base, max_new_tokens=8), 2, bd, eos).run(
+        [Request(r.prompt, 0.0, r.id) for r in reqs[:2]])  # warm-up
+    modes = {}
+    for name, cont in (("static", False), ("continuous", True)):
+        run = BatchEngine(bt, replace(base, continuous_batching=cont), batch_size, bd, eos).run(reqs)
+        lat = sorted(r.finish_s - r.arrival_s for r in run.results)
+        modes[name] = {
+            "tokens_per_s": round(run.tokens_per_s, 2),
+            "makespan_s": round(run.wall_s, 3),
+            "mean_latency_s": round(sum(lat) / len(lat), 3),
+            "p90_latency_s": round(lat[min(len(lat) - 1, int(0.9 * len(lat)))], 3),
+            "mean_wait_s": round(sum(r.start_s - r.arrival_s for r in run.results) / len(run.results), 3),
+            "steps": run.steps,
+            "tau": round(run.stats.tau, 4),
+            "new_tokens": run.new_tokens,
+            **checker.check([r.tokens for r in run.results], list(range(len(reqs)))),
+        }
+    return {
+        "requests": n_requests, "rate_per_s": rate_per_s, "batch_size": batch_size, "drafter": drafter,
+        "draft_len": k, "max_new_tokens": max_new_tokens, "dtype": dtype, "seed": seed,
+        "last_arrival_s": round(arrivals[-1], 3), "noise_floor": round(checker.floor, 6),
+        "mechanisms": {m: getattr(base, m) for m in MECHANISMS if m != "continuous_batching"},
+        "static": modes["static"], "continuous": modes["continuous"],
+        "throughput_gain": round(modes["continuous"]["tokens_per_s"] / modes["static"]["tokens_per_s"], 4),
+    }
+
+
+def format_stream_table(report: dict) -> str:
+    cols = ("batching", "tok/s", "makespan s", "mean latency s", "p90 latency s", "mean wait s", "steps", "tau",
+            "unexplained")
+    rows = []
+    for name in ("static", "continuous"):
+        m = report[name]
+        rows.append((name, f"{m['tokens_per_s']:.1f}", f"{m['makespan_s']:.2f}", f"{m['mean_latency_s']:.2f}",
+                     f"{m['p90_latency_s']:.2f}", f"{m['mean_wait_s']:.2f}", str(m["steps"]), f"{m['tau']:.2f}",
+                     str(m["unexplained_mismatches"])))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    mech = _mech_label(report["mechanisms"])
+    lines = [f"{report['requests']} requests, Poisson arrivals at {report['rate_per_s']}/s (last at "
+             f"{report['last_arrival_s']:.2f} s), batch {report['batch_size']}, SD {report['drafter']} "
+             f"k={report['draft_len']} ({mech}), {report['max_new_tokens']} new tokens, {report['dtype']}",
+             "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append(f"continuous / static throughput: {report['throughput_gain']:.2f}x")
+    return "\n".join(lines)

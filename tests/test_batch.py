@@ -1,0 +1,260 @@
+"""Batched AR and SD (decoder/batch.py): per-request losslessness, the three batching mechanisms,
+batched rejection sampling, and the bench's batch report."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from conftest import needs_demo, tiny_llama, write_jsonl
+
+from decoder.batch import BatchEngine, BatchLM, Request, batch_generate, choose_draft_lens, ragged_index
+from decoder.config import ConfigError, DecodeConfig
+from decoder.generate import ar_generate
+from decoder.lean import LeanLM
+from decoder.mechanisms import REGISTRY, validate_change
+
+MECHS = ("ragged_verify", "load_aware_draft", "continuous_batching")
+COMBOS = [dict(zip(MECHS, bits, strict=True)) for bits in itertools.product((False, True), repeat=3)]
+
+
+def _cut_at(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+# -- config and registry ----------------------------------------------------------------------------
+
+def test_stock_defaults_off_and_toml_round_trip():
+    stock = DecodeConfig()
+    assert not stock.ragged_verify and not stock.load_aware_draft and not stock.continuous_batching
+    cfg = DecodeConfig(ragged_verify=True, load_aware_draft=True, load_aware_fixed_rows=32, continuous_batching=True)
+    assert DecodeConfig.from_toml(cfg.to_toml()) == cfg
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"load_aware_fixed_rows": 0}, "load_aware_fixed_rows = 0"),
+    ({"method": "ar", "load_aware_draft": True}, "load_aware_draft = True"),
+])
+def test_bad_batching_values_name_key_and_value(kwargs, needle):
+    with pytest.raises(ConfigError) as e:
+        DecodeConfig(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_batching_mechanisms_in_registry_with_stock_values():
+    batching = {n: m for n, m in REGISTRY.items() if m.family == "batching"}
+    assert set(batching) == {"ragged-verify", "load-aware-drafting", "continuous-batching"}
+    stock = DecodeConfig()
+    for m in batching.values():
+        for key, value in m.stock.items():
+            assert getattr(stock, key) == value, (m.name, key)
+            assert value in m.keys[key]
+    validate_change({"ragged_verify": True, "load_aware_fixed_rows": 128, "continuous_batching": True})
+    with pytest.raises(ValueError, match="load_aware_fixed_rows = 3"):
+        validate_change({"load_aware_fixed_rows": 3})
+
+
+# -- pieces -----------------------------------------------------------------------------------------
+
+def test_ragged_index_selects_real_rows():
+    assert ragged_index([2, 0, 3], 4, torch.device("cpu")).tolist() == [0, 1, 8, 9, 10]
+
+
+def test_load_aware_lengths_follow_load_and_acceptance():
+    # One request on an idle machine with a free drafter (n-gram): verify rows are nearly free, draft to the cap.
+    assert choose_draft_lens([6], [0.6], fixed_rows=64, draft_cost=0.0) == [6]
+    # A full batch pays a row per draft token: only likely tokens survive, fewer than at batch 1.
+    one = choose_draft_lens([6], [0.6], fixed_rows=64, draft_cost=0.1)[0]
+    full = choose_draft_lens([6] * 16, [0.6] * 16, fixed_rows=64, draft_cost=0.1)
+    assert 0 < max(full) < one
+    # Within a batch, a request that accepts more drafts at least as far as one that accepts less.
+    mixed = choose_draft_lens([6] * 16, [0.9] * 8 + [0.3] * 8, fixed_rows=16, draft_cost=0.0)
+    assert min(mixed[:8]) > max(mixed[8:])
+    # Caps (n-gram proposal length, tokens left) are never exceeded; no acceptance means no drafting.
+    assert choose_draft_lens([2, 0, 5], [0.99, 0.99, 0.0], fixed_rows=64, draft_cost=0.0) == [2, 0, 0]
+
+
+@needs_demo
+@pytest.mark.parametrize("pair", ["demo_fp32", "demo_bf16"])
+def test_packed_forward_matches_lean_per_request(pair, request, demo_prompts):
+    """Three requests with different cache lengths and widths in one packed forward, against LeanLM."""
+    target = request.getfixturevalue(pair)[0]
+    lean, batch = LeanLM(target), BatchLM(target)
+    prompts = [demo_prompts[0][:50], demo_prompts[1][:23], demo_prompts[2][:71]]
+    cache = batch.new_cache(4, 128)
+    slots = [2, 0, 3]
+    flat = torch.tensor([t for p in prompts for t in p])
+    batch.forward(flat, slots, [len(p) for p in prompts], cache)
+    new = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    got = batch.forward(torch.tensor([t for n in new for t in n]), slots, [len(n) for n in new], cache)
+    tol = 1e-4 if target.dtype == torch.float32 else 0.125
+    row = 0
+    for p, n in zip(prompts, new, strict=True):
+        c = lean.new_cache()
+        lean.forward(torch.tensor(p), c)
+        ref = lean.forward(torch.tensor(n), c)
+        assert (got[row : row + len(n)].float() - ref.float()).abs().max().item() <= tol
+        row += len(n)
+    assert [cache.lengths[s] for s in slots] == [len(p) + len(n) for p, n in zip(prompts, new, strict=True)]
+
+
+# -- lossless against single-request greedy ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixed_prompts(demo_prompts):
+    # Mixed lengths: 17 to 160 tokens.
+    return [demo_prompts[0][-40:], demo_prompts[1][-17:], demo_prompts[2], demo_prompts[0][-97:],
+            demo_prompts[1][-63:]]
+
+
+@needs_demo
+@pytest.mark.parametrize("drafter", ["ar", "draft-model", "ngram"])
+def test_batched_greedy_token_identical_fp32(demo_fp32, mixed_prompts, drafter):
+    """Every mechanism combination, batch 2 over 5 requests (several batches / refilled slots), with an
+    EOS that ends some requests early: each output equals its single-request greedy run."""
+    target, draft_model = demo_fp32
+    n_new = 20
+    full = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=n_new, stop_at_eos=False)).tokens
+            for p in mixed_prompts]
+    eos = full[1][6]  # request 1 stops at position 6 (or earlier if the token occurs before)
+    refs = [_cut_at(f, eos) for f in full]
+    assert any(len(r) < n_new for r in refs)
+    combos = COMBOS if drafter != "ar" else [c for c in COMBOS if not c["load_aware_draft"]]
+    for mech in combos:
+        cfg = DecodeConfig(method="ar" if drafter == "ar" else "sd", drafter="ngram" if drafter == "ngram" else
+                           "draft-model", draft_len=6 if drafter == "ngram" else 3, max_new_tokens=n_new,
+                           dtype="float32", **mech)
+        run = batch_generate(cfg, target, mixed_prompts, 2, draft_model, eos_id=eos)
+        assert [r.tokens for r in run.results] == refs, mech
+        if drafter != "ar":
+            assert run.stats.drafted > 0
+
+
+@needs_demo
+def test_batched_bf16_divergences_are_near_ties(demo_bf16, mixed_prompts):
+    """bf16 batched SD (all mechanisms) against single-request greedy: any divergence sits where stock's
+    top-2 margin is below twice the deployment's noise floor."""
+    from decoder.bench import first_divergence, noise_floor, top2_margin
+
+    target, draft_model = demo_bf16
+    cfg = DecodeConfig(max_new_tokens=24, ragged_verify=True, load_aware_draft=True, continuous_batching=True)
+    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=24)).tokens for p in mixed_prompts]
+    floor = noise_floor(target, [(p, r) for p, r in zip(mixed_prompts[:2], refs[:2], strict=True)], (4, 16))
+    run = batch_generate(cfg, target, mixed_prompts, 4, draft_model)
+    for p, r, out in zip(mixed_prompts, refs, (x.tokens for x in run.results), strict=True):
+        pos = first_divergence(out, r)
+        if pos is not None:
+            assert top2_margin(target, p + r[:pos]) < 2 * floor, pos
+
+
+class FakeClock:
+    """Deterministic time: each clock read advances `tick` seconds; sleep jumps ahead."""
+
+    def __init__(self, tick: float) -> None:
+        self.t, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.t += self.tick
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+@needs_demo
+def test_continuous_stream_of_32_lossless(demo_fp32, demo_prompts):
+    """32 requests arriving over time: continuous batching admits them between steps (while others run),
+    every output equals its single-request run, and it needs fewer batched steps than static batching."""
+    target, draft_model = demo_fp32
+    prompts = [demo_prompts[i % 3][-(12 + 5 * i):] for i in range(32)]
+    n_new = 12
+    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=n_new, stop_at_eos=False)).tokens
+            for p in prompts]
+    reqs = [Request(p, 0.05 * i, i) for i, p in enumerate(prompts)]
+    steps = {}
+    for cont in (False, True):
+        cfg = DecodeConfig(max_new_tokens=n_new, stop_at_eos=False, dtype="float32", ragged_verify=True,
+                           continuous_batching=cont)
+        clock = FakeClock(0.01)
+        run = BatchEngine(target, cfg, 4, draft_model).run(reqs, clock=clock, sleep=clock.sleep)
+        assert [r.tokens for r in run.results] == refs, cont
+        steps[cont] = run.steps
+        joined_mid_flight = any(
+            any(o.start_s < r.start_s < o.finish_s for o in run.results) for r in run.results)
+        assert joined_mid_flight == cont
+        assert all(r.start_s >= r.arrival_s for r in run.results)
+    assert steps[True] < steps[False]
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+CHI2_001_15 = 37.70  # chi-square critical value, 15 degrees of freedom, p = 0.001
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("drafter, ragged, load_aware", [("draft-model", True, False), ("ngram", False, True),
+                                                       ("ngram", True, True)])
+def test_batched_rejection_sampling_matches_target(drafter, ragged, load_aware):
+    """Batched speculative sampling (n-gram proposals and load-aware lengths differ per request) draws
+    the third new token from the target's exact marginal p(t3 | prompt)."""
+    target, small = tiny_llama(seed=0), tiny_llama(seed=1, layers=1)
+    # The target tends to repeat 2 here, so n-gram drafts get accepted; temperature 3 spreads the rest.
+    prompt, temp = [2] * 8, 3.0
+    n = 3000
+    cfg = DecodeConfig(drafter=drafter, draft_len=3, max_new_tokens=4, temperature=temp, stop_at_eos=False,
+                       dtype="float32", seed=7, ragged_verify=ragged, load_aware_draft=load_aware)
+    run = BatchEngine(target, cfg, 16, small if drafter == "draft-model" else None).run(
+        [Request(prompt, 0.0, i) for i in range(n)])
+    assert run.stats.drafted > 0 and run.stats.accepted > 0
+    counts = torch.bincount(torch.tensor([r.tokens[2] for r in run.results]), minlength=16).float()
+
+    def probs(ctx):
+        return torch.softmax(target(input_ids=torch.tensor([ctx])).logits[0, -1].float() / temp, -1)
+
+    p1 = probs(prompt)
+    exact = torch.zeros(16)
+    for a in range(16):
+        p2 = probs(prompt + [a])
+        ctx = torch.tensor([prompt + [a, b] for b in range(16)])
+        p3 = torch.softmax(target(input_ids=ctx).logits[:, -1].float() / temp, -1)  # [16, 16]
+        exact += p1[a] * (p2[:, None] * p3).sum(0)
+    exp = exact * n
+    keep = exp > 5
+    chi2 = float((((counts - exp) ** 2)[keep] / exp[keep]).sum())
+    assert chi2 < CHI2_001_15, chi2
+
+
+def test_engine_rejects_bad_arguments():
+    target = tiny_llama()
+    with pytest.raises(ValueError, match="max_batch = 0"):
+        BatchEngine(target, DecodeConfig(), 0, tiny_llama(seed=1))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        BatchEngine(target, DecodeConfig(), 2)
+
+
+# -- bench ------------------------------------------------------------------------------------------
+
+@needs_demo
+def test_batch_bench_report_contract(tmp_path):
+    from decoder.batch_bench import format_batch_table, run_batch_bench
+    from decoder.models import DEMO_DIR
+
+    rows = [json.loads(x) for x in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines()[:3]]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": r["id"], "text": r["text"][-300:]} for r in rows])
+    report = run_batch_bench(DEMO_DIR / "target", DEMO_DIR / "drafter", str(path), 8, (1, 2),
+                             drafters=("ngram",), noise_prompts=1, progress=False)
+    assert len(report["batch"]) == 2 * 8
+    for r in report["batch"]:
+        assert {"batch_size", "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "mechanisms"} <= set(r)
+        assert set(r["mechanisms"]) == set(MECHS)
+        assert r["speedup"] == pytest.approx(r["sd_tokens_per_s"] / r["ar_tokens_per_s"], rel=1e-3)
+        assert r["unexplained_mismatches"] == 0 and r["new_tokens"] > 0
+    assert "B=2 ngram: best" in format_batch_table(report)
+
+
+def test_cli_bad_batch_sizes_one_line_error(capsys):
+    from workbench.cli import main
+
+    assert main(["bench", "--batch-sizes", "1,0"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-sizes 1,0" in err and len(err.strip().splitlines()) == 1
