@@ -197,8 +197,8 @@ class Loop:
         fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
         out = []
         for fam, ms in fams:
-            if fam in exhausted:
-                continue
+            if fam in exhausted or ms <= 0:
+                continue  # explored without a gain on this base, or nothing to gain (e.g. batching at B = 1)
             mechs = [{"name": m.name, "keys": {k: list(v) for k, v in m.keys.items()}, "applies": m.applies,
                       "summary": m.summary} for m in REGISTRY.values() if m.family == fam and device in m.devices]
             memory = self._memory_for(fam)

@@ -358,7 +358,8 @@ def _split_prompts(rows: list[dict], hidden: int) -> tuple[list[dict], list[dict
 
 
 def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
-              hidden: int = DEMO_HIDDEN, limits: dict | None = None) -> Workspace:
+              hidden: int = DEMO_HIDDEN, limits: dict | None = None, prompts: str = "code",
+              name: str | None = None) -> Workspace:
     """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts.
 
     The keyword arguments shrink it (fewer prompts, shorter forcing, tighter limits), e.g. for tests.
@@ -372,19 +373,25 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     if path.exists() and any(path.iterdir()):
         raise WorkspaceError(f"{path} exists and is not empty; pick a new folder, or open it with "
                              f"--workspace {path} if it is already a workspace")
-    for sub in ("target", "drafter", "tokenizer", "prompts/code.jsonl"):
+    if prompts not in ("code", "prose"):
+        raise WorkspaceError(f"--prompts {prompts}: the demo has code and prose prompt sets")
+    name = name or ("demo" if prompts == "code" else f"demo-{prompts}")
+    if not name or set(name) - NAME_OK:
+        raise WorkspaceError(f"--name {name!r}: use letters, digits, '-', '_' and '.'")
+    for sub in ("target", "drafter", "tokenizer", f"prompts/{prompts}.jsonl"):
         if not (DEMO_DIR / sub).exists():
             raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
                                  f"or reinstall specpilot")
     path.mkdir(parents=True, exist_ok=True)
     _copy_package(Path(decoder.__file__).parent, path / "decoder")
     _copy_package(Path(kernels.__file__).parent, path / "kernels")
-    rows = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines() if ln.strip()]
+    rows = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / f"{prompts}.jsonl").read_text().splitlines()
+            if ln.strip()]
     visible, hidden_rows = _split_prompts(rows[:prompt_limit], hidden)
     (path / "prompts").mkdir()
     (path / "prompts" / "visible.jsonl").write_text("".join(json.dumps(r) + "\n" for r in visible))
     cfg = WorkspaceConfig(
-        name="demo", target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
+        name=name, target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
         tokenizer=(DEMO_DIR / "target").resolve(),  # the target directory carries its tokenizer
         entry=["{python}", "-m", "decoder.serve", "--target", "{target}", "--drafter", "{drafter}",
                "--config", "{config}"],
@@ -406,6 +413,6 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     ws = Workspace(path)
     ws.hidden_prompts_path().write_text("".join(json.dumps(r) + "\n" for r in hidden_rows))
     ws.deployment_id()
-    ws.memory.record_event("workspace.init", f"demo workspace created at {path}",
+    ws.memory.record_event("workspace.init", f"demo workspace ({prompts} prompts) created at {path}",
                            {"visible": len(visible), "hidden": len(hidden_rows), "stock": ws.stock_commit})
     return ws

@@ -37,7 +37,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from workbench.workspace import init_demo
 
     try:
-        ws = init_demo(args.path)
+        ws = init_demo(args.path, prompts=args.prompts, name=args.name)
     except _errors() as e:
         return fail(str(e))
     print(f"created demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
@@ -120,6 +120,8 @@ def add_parser(sub) -> None:
     i = sub.add_parser("init", help="create a workspace (git repository whose first commit is stock)")
     i.add_argument("what", help="demo: the embedded demo deployment")
     i.add_argument("path", nargs="?", help="folder to create (default: $SPECPILOT_DATA_DIR/workspaces/demo)")
+    i.add_argument("--prompts", choices=("code", "prose"), default="code", help="the demo's workload (default: code)")
+    i.add_argument("--name", help="deployment name (default: demo, or demo-prose)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_init)
 
