@@ -120,6 +120,8 @@ class TreeDrafter:
         self.cache: LeanCache = model.new_cache()
         self.cache_len = 0  # committed tokens whose KV the cache holds (a prefix of the sequence)
         self.forwards = 0
+        self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._iota = torch.arange(1024, device=self.device)
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -174,12 +176,9 @@ class TreeDrafter:
             else:
                 counts = [1 + alts] + [1] * (f_count - 1)
             vals, idx = probs.topk(max(counts), dim=-1)  # [F, m]
-            rows = [r for r, c in enumerate(counts) for _ in range(c)]
-            cols = [j for c in counts for j in range(c)]
-            c_new = len(rows)
-            r_t = torch.tensor(rows, device=dev)
-            c_t = torch.tensor(cols, device=dev)
-            new = torch.arange(n, n + c_new, device=dev)
+            r_t, c_t = self._children_index(tuple(counts))
+            c_new = r_t.shape[0]
+            new = self._arange(n, n + c_new)
             par = frontier[r_t]  # [c]
             toks[new] = idx[r_t, c_t]
             score[new] = score[par] * vals[r_t, c_t]
@@ -199,7 +198,7 @@ class TreeDrafter:
             f_count = frontier.shape[0]
             if kind == "two-level":
                 main_fed.append(n_fed)  # the main chain node is first in every frontier
-            fed[frontier] = torch.arange(n_fed, n_fed + f_count, device=dev)
+            fed[frontier] = self._arange(n_fed, n_fed + f_count)
             fed_ids.append(frontier)
             n_fed += f_count
             mask = torch.cat([torch.ones(f_count, prefix, dtype=torch.bool, device=dev),
@@ -207,6 +206,22 @@ class TreeDrafter:
             logits = model.forward(toks[frontier], cache, positions=prefix + depths[frontier], attn_mask=mask)
             self.forwards += 1
         return DraftTree(toks[:n], parents[:n], depths[:n], anc[:n, :n], score[:n], fed[:n], prefix, main, main_fed)
+
+    def _children_index(self, counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(frontier row, child rank) of every child when frontier row r gets counts[r] children; cached,
+        since a tree's shape per level repeats every step."""
+        hit = self._index_cache.get(counts)
+        if hit is None:
+            rows = [r for r, c in enumerate(counts) for _ in range(c)]
+            cols = [j for c in counts for j in range(c)]
+            hit = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+            self._index_cache[counts] = hit
+        return hit
+
+    def _arange(self, lo: int, hi: int) -> torch.Tensor:
+        if hi > self._iota.shape[0]:
+            self._iota = torch.arange(2 * hi, device=self.device)
+        return self._iota[lo:hi]
 
     def keep_path(self, fed_rows: list[int]) -> None:
         """After verification: keep the prefix plus the fed accepted nodes (slot offsets, depth order)."""
