@@ -1,11 +1,11 @@
 """D-cut (mechanism `d-cut`, gap family drafting): draft while the drafter is confident.
 
-Per request: the draft model drafts up to `draft_len` tokens and stops at the first position i where the
-running product of its top-1 probabilities, P_i = p_0 * ... * p_i (an estimate of the chance that drafts
-0..i are all accepted), falls below `dcut_threshold`; that token is dropped, and the first token is always
-kept (verifying one draft costs the target about what a plain step does). Confident spans get long drafts,
-uncertain ones stop early and save drafter forwards and target width. It changes only which tokens are
-drafted, so verification stays lossless (greedy or sampled).
+Per request: the draft model drafts up to `draft_len` tokens and stops after the first position i where
+the running product of its top-1 probabilities, P_i = p_0 * ... * p_i (an estimate of the chance that
+drafts 0..i are all accepted), falls below `dcut_threshold`. Token i itself is kept: its forward is already
+paid for, and a drafter forward whose token is thrown away would be pure waste. Confident spans get long
+drafts, uncertain ones stop early and save drafter forwards. It changes only how many tokens are drafted,
+never which, so verification stays lossless (greedy or sampled).
 
 Under batching, `batch_verify_budget` spends one verify budget (draft tokens across the batch) on the
 (request, position) pairs with the highest running products: a pure function the batched loop calls.
@@ -40,32 +40,27 @@ class DCutDrafter(DraftModelDrafter):
         inp = torch.tensor(tokens[self.cache_len:], device=self.device)
         drafted, probs, products = [], [], []
         product = 1.0
-        fed = 0
-        for i in range(k):
+        for _ in range(k):
             logits = self.model.forward(inp, self.cache, last_only=True)  # [1, V]
             self.forwards += 1
-            fed = i  # the cache has seen drafts 0..i-1
             scaled = logits.float() / self.temperature if self.temperature > 0 else logits.float()
             p = torch.softmax(scaled, dim=-1)  # [1, V]
             top_p, top_i = p.max(dim=-1)
-            product *= float(top_p.item())  # the one host read per drafter forward
-            if i > 0 and product < self.threshold:
-                break  # cut: this position's token is dropped
             if self.temperature > 0:
                 nxt = torch.multinomial(p, 1, generator=self.generator).view(1)
                 probs.append(p)
             else:
                 nxt = top_i  # [1]
             drafted.append(nxt)
+            product *= float(top_p.item())  # the one host read per drafter forward
             products.append(product)
-            inp = nxt
             if product < self.threshold:
-                break  # the first draft is kept even when unsure; nothing after it
-        else:
-            fed = k - 1  # the loop ran out: the last draft was never fed
-        self.cache_len = len(tokens) + fed
+                break  # cut: the product fell below the threshold at this position
+            inp = nxt
+        # The cache has seen every draft but the last.
+        self.cache_len = len(tokens) + len(drafted) - 1
         self._last_k = len(drafted)
-        self._fed = fed
+        self._fed = len(drafted) - 1
         self.products = products
         return torch.cat(drafted), (torch.cat(probs, dim=0) if probs else None)
 

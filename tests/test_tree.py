@@ -232,24 +232,26 @@ def test_dcut_cuts_where_running_product_falls_below_threshold():
     _, draft = _tiny_pair(9)
     lean = LeanLM(draft)
     tokens = [1, 2, 3, 4]
-    for threshold in (0.05, 0.3, 0.6, 0.9):
+    lengths = set()
+    for threshold in (0.05, 0.3, 0.6, 0.9, 0.99):
         d = DCutDrafter(lean, threshold)
         d.reset(tokens)
         out = d.draft(tokens, 8)[0].tolist()
         # Brute force: greedy continuation with a fresh causal forward per position.
         product, expect = 1.0, []
         seq = list(tokens)
-        for i in range(8):
+        for _ in range(8):
             p = torch.softmax(lean.forward(torch.tensor(seq), lean.new_cache(), last_only=True)[0], -1)
             product *= float(p.max())
-            if i > 0 and product < threshold:
-                break
             expect.append(int(p.argmax()))
             seq.append(expect[-1])
             if product < threshold:
                 break
         assert out == expect, threshold
+        assert d.forwards == len(out)  # no drafter forward is wasted on a dropped token
         assert d.products == sorted(d.products, reverse=True)
+        lengths.add(len(out))
+    assert len(lengths) > 1  # the threshold really changes where the draft is cut
     with pytest.raises(ValueError, match="threshold 1.5"):
         DCutDrafter(lean, 1.5)
 
