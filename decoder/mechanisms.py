@@ -82,9 +82,10 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         name="two-level-verify", family="acceptance",
         keys={"verify": ("chain", "two-level"), "two_level_alts": (1, 2, 3, 4), "draft_len": tuple(range(1, 9))},
         stock={"verify": "chain"},
-        applies="drafting is a large part of a step and the target's cost grows with verify width",
-        summary="verify the drafter's chain; where it breaks, an alternative the drafter held there (drafted in "
-                "the same batched forwards) that equals the target's token becomes the next draft (decoder/tree.py)",
+        applies="the drafter's top-1 misses often but its top few hold the target's token; the target's step "
+                "cost is flat in verify width",
+        summary="level 1 the drafter's chain, level 2 its next-best tokens beside every chain node as leaves, "
+                "one target forward; no drafter forward beyond the chain's (decoder/tree.py)",
         requires={"method": "sd", "drafter": "draft-model", "lean_forward": True, "temperature": 0.0},
     ),
     Mechanism(

@@ -13,17 +13,17 @@ deepest node whose whole path matches the target's argmax at each parent; the ac
 are gathered to contiguous slots of the preallocated cache (`LeanCache.compact`), so the cache reads as
 if only that path had been fed. A chain is a tree of width one (`tree_shape = "1,1,1"`).
 
-**Two-level verification** (`verify = "two-level"`). Level 1: the target verifies the drafter's top-1
-chain of `draft_len` tokens, exactly as chain SD (same target work, q = k + 1). Level 2: in the same
-batched drafter forwards, the drafter also keeps its top-`two_level_alts` alternatives at every chain
-position and extends each greedily to the chain's depth; the target never scores them. Where the chain
-breaks, the target's own token is already known (the bonus); if it equals one of the alternatives held
-at that position, that alternative's pre-drafted continuation is exactly what the greedy drafter would
-draft next, so the next step starts from it and needs fewer drafter forwards. It is lossless for the same
-reason chain SD is (every committed token is the target's argmax); it saves the target work a tree
-spends on alternatives that mostly fail, and saves drafter forwards after a break. It wins where the
-target's cost grows with the verify width (bigger batches, compute-bound steps) and drafting is a large
-part of a step; on the demo it trades with the tree (README).
+**Two-level verification** (`verify = "two-level"`). Level 1 is chain SD's draft: the draft model's
+top-1 chain of `draft_len` tokens, drafted one plain forward at a time (no tree forwards, no masks).
+Level 2 is one layer of alternatives: at every chain position the drafter's next `two_level_alts` best
+tokens, read from the logits level 1 already computed, hang as leaves beside the chain node (node j's
+alternatives see the prefix and chain nodes 0..j-1). One target forward verifies both levels; where the
+chain breaks, an alternative that equals the target's token is accepted too, and the target's token after
+it is the bonus: one more token per step at no drafter cost. Relative to a tree of the same depth it saves
+target work (q = 1 + k * (1 + alts): no alternative is expanded) and drafter work (k forwards of one token,
+none batched over branches); relative to the chain it spends a slightly wider target forward. It wins
+where the drafter's top-1 misses often but its top-few holds the target's token, and the target's cost is
+flat in the verify width (batch 1, overhead- or memory-bound): the demo on this CPU (README).
 
 Both are greedy (temperature 0) and need the lean forward for target and drafter.
 """
@@ -38,7 +38,6 @@ import torch
 from decoder.config import DecodeConfig, parse_tree_shape
 from decoder.lean import LeanCache, LeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
-from decoder.verify import greedy_accept
 
 
 @dataclass
@@ -52,8 +51,6 @@ class DraftTree:
     score: torch.Tensor  # [N] product of the drafter's probabilities along the path to the node
     fed: torch.Tensor  # [N] the drafter cache slot (offset from `prefix_len`) of nodes it fed, else -1
     prefix_len: int  # drafter cache length before the tree's slots
-    main: list[int]  # two-level: the main chain's node at each depth (else empty)
-    main_fed: list[int]  # two-level: drafter slot offsets of the main chain nodes the drafter fed
 
     @property
     def size(self) -> int:
@@ -65,7 +62,7 @@ class DraftTree:
         new_index = torch.full((n + 1,), -1, dtype=torch.long, device=keep.device)  # [-1] maps the root
         new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
         return DraftTree(self.tokens[keep], new_index[self.parents[keep]], self.depth[keep],
-                         self.anc[keep][:, keep], self.score[keep], self.fed[keep], self.prefix_len, [], [])
+                         self.anc[keep][:, keep], self.score[keep], self.fed[keep], self.prefix_len)
 
 
 def tree_attention_mask(anc: torch.Tensor, prefix_len: int) -> torch.Tensor:
@@ -128,17 +125,15 @@ class TreeDrafter:
         self.cache_len = 0
 
     @torch.inference_mode()
-    def grow(self, tokens: list[int], extra: list[int], depth: int, kind: str, width: int | tuple[int, ...],
-             alts: int = 0) -> DraftTree:
-        """Grow a tree of `depth` levels below the root tokens[-1] (or extra[-1]; `extra` are committed-to-be
-        tokens fed causally before the root, e.g. a pending two-level draft).
+    def grow(self, tokens: list[int], depth: int, kind: str, width: int | tuple[int, ...]) -> DraftTree:
+        """Grow a tree of `depth` levels below the root tokens[-1].
 
-        kind: "static" (width = children per depth), "dynamic" (width = top-k expanded per depth, each with
-        top-k children) or "two-level" (the main chain gets 1 + alts children, every other node one).
+        kind: "static" (width = children per depth) or "dynamic" (width = top-k expanded per depth, each
+        with top-k children).
         """
         model, cache, dev = self.model, self.cache, self.device
         cache.length = self.cache_len
-        feed = tokens[self.cache_len:] + extra
+        feed = tokens[self.cache_len:]
         logits = model.forward(torch.tensor(feed, device=dev), cache, last_only=True)  # [1, V]
         self.forwards += 1
         prefix = cache.length
@@ -149,11 +144,9 @@ class TreeDrafter:
             for w in widths:
                 level *= w
                 n_max += level
-        elif kind == "dynamic":
+        else:
             k = int(width)
             n_max = k + (depth - 1) * k * k
-        else:
-            n_max = depth * (1 + alts) + alts * depth * (depth - 1) // 2
         root = n_max  # row n_max stands for the root: no ancestors, depth -1, score 1
         anc = torch.zeros(n_max + 1, n_max + 1, dtype=torch.bool, device=dev)
         parents = torch.full((n_max + 1,), -1, dtype=torch.long, device=dev)
@@ -165,16 +158,9 @@ class TreeDrafter:
         f_count = 1
         fed_ids: list[torch.Tensor] = []
         n = n_fed = 0
-        main: list[int] = []
-        main_fed: list[int] = []
         for d in range(depth):
             probs = torch.softmax(logits.float(), dim=-1)  # [F, V]
-            if kind == "static":
-                counts = [widths[d]] * f_count
-            elif kind == "dynamic":
-                counts = [int(width)] * f_count
-            else:
-                counts = [1 + alts] + [1] * (f_count - 1)
+            counts = [widths[d] if kind == "static" else int(width)] * f_count
             vals, idx = probs.topk(max(counts), dim=-1)  # [F, m]
             r_t, c_t = self._children_index(tuple(counts))
             c_new = r_t.shape[0]
@@ -186,8 +172,6 @@ class TreeDrafter:
             depths[new] = depths[par] + 1
             anc[new] = anc[par]
             anc[new, new] = True
-            if kind == "two-level":
-                main.append(n)  # the main node's top-1 child comes first
             n += c_new
             if d == depth - 1:
                 break
@@ -196,8 +180,6 @@ class TreeDrafter:
             else:
                 frontier = new
             f_count = frontier.shape[0]
-            if kind == "two-level":
-                main_fed.append(n_fed)  # the main chain node is first in every frontier
             fed[frontier] = self._arange(n_fed, n_fed + f_count)
             fed_ids.append(frontier)
             n_fed += f_count
@@ -205,7 +187,7 @@ class TreeDrafter:
                               anc[frontier][:, torch.cat(fed_ids)]], dim=1)  # [F, prefix + fed]
             logits = model.forward(toks[frontier], cache, positions=prefix + depths[frontier], attn_mask=mask)
             self.forwards += 1
-        return DraftTree(toks[:n], parents[:n], depths[:n], anc[:n, :n], score[:n], fed[:n], prefix, main, main_fed)
+        return DraftTree(toks[:n], parents[:n], depths[:n], anc[:n, :n], score[:n], fed[:n], prefix)
 
     def _children_index(self, counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(frontier row, child rank) of every child when frontier row r gets counts[r] children; cached,
@@ -228,6 +210,30 @@ class TreeDrafter:
         rows = torch.tensor(fed_rows, dtype=torch.long, device=self.device)
         self.cache.compact(self.cache_len, rows)
         self.cache_len = self.cache.length
+
+
+def _verify_tree(target: LeanLM, cache: LeanCache, root: int, tree: DraftTree, stats: DecodeStats,
+                 timer: PhaseTimer) -> tuple[int, list[int], list[int], list[int]]:
+    """One target forward over (root, tree), greedy acceptance, the accepted path compacted in the cache.
+
+    Returns (n accepted nodes, committed tokens (path + bonus), path node indices, drafter slots of the
+    fed path nodes); the step's one device-to-host copy happens here.
+    """
+    start = cache.length  # the root's slot
+    ids = torch.cat([torch.tensor([root], device=target.device), tree.tokens])
+    logits = target.forward(ids, cache, positions=tree_positions(tree.depth, start),
+                            attn_mask=tree_attention_mask(tree.anc, start))  # [1 + N, V]
+    stats.target_forwards += 1
+    stats.target_tokens += ids.shape[0]
+    timer.mark("verify")
+    m = tree.size
+    res = greedy_tree_accept(logits, tree)
+    fed = torch.cat([tree.fed, tree.fed.new_full((1,), -1)])[res[2 : 2 + m]]
+    out = torch.cat([res, fed]).tolist()  # the step's one device-to-host copy
+    n, bonus = out[0], out[1]
+    path = out[2 : 2 + n]
+    cache.compact(start, torch.tensor([0] + [p + 1 for p in path], device=target.device))
+    return n, [*out[2 + m : 2 + m + n], bonus], path, [s for s in out[2 + 2 * m : 2 + 2 * m + n] if s >= 0]
 
 
 def _finish(new: list[int], cfg: DecodeConfig, eos_id: int | None) -> tuple[list[int], bool]:
@@ -275,33 +281,20 @@ def tree_generate(target: LeanLM, drafter: LeanLM, prompt: list[int], cfg: Decod
     while not done:
         remaining = cfg.max_new_tokens - (len(tokens) - len(prompt))
         depth = min(max_depth, remaining - 1)
-        start = cache.length  # = len(tokens) - 1: the root's slot
         if depth < 1:  # one token left: a plain target step
             logits = target.forward(torch.tensor(tokens[-1:], device=target.device), cache, last_only=True)
-            committed, n = [int(logits.argmax(dim=-1).item())], 0
+            committed = [int(logits.argmax(dim=-1).item())]
             stats.target_forwards += 1
             stats.target_tokens += 1
         else:
-            tree = tdraft.grow(tokens, [], depth, kind, width)
+            tree = tdraft.grow(tokens, depth, kind, width)
             if kind == "dynamic" and tree.size > cfg.tree_budget:
                 keep = torch.sort(-tree.score, stable=True).indices[: cfg.tree_budget].sort().values
                 tree = tree.select(keep)
             timer.mark("draft")
-            ids = torch.cat([torch.tensor(tokens[-1:], device=target.device), tree.tokens])
-            logits = target.forward(ids, cache, positions=tree_positions(tree.depth, start),
-                                    attn_mask=tree_attention_mask(tree.anc, start))  # [1 + N, V]
-            stats.target_forwards += 1
-            stats.target_tokens += ids.shape[0]
-            timer.mark("verify")
-            res = greedy_tree_accept(logits, tree)
-            fed = torch.cat([tree.fed, tree.fed.new_full((1,), -1)])[res[2 : 2 + tree.size]]
-            out = torch.cat([res, fed]).tolist()  # the step's one device-to-host copy
+            n, committed, _, fed_rows = _verify_tree(target, cache, tokens[-1], tree, stats, timer)
+            tdraft.keep_path(fed_rows)
             m = tree.size
-            n, bonus = out[0], out[1]
-            path = out[2 : 2 + n]
-            committed = [*out[2 + m : 2 + m + n], bonus]
-            cache.compact(start, torch.tensor([0] + [p + 1 for p in path], device=target.device))
-            tdraft.keep_path([s for s in out[2 + 2 * m : 2 + 2 * m + n] if s >= 0])
             stats.draft_steps += 1
             stats.drafted += m
             stats.accepted += n
@@ -316,25 +309,30 @@ def tree_generate(target: LeanLM, drafter: LeanLM, prompt: list[int], cfg: Decod
     return Generation(new, stats)
 
 
-def _alternative_lookup(tree: DraftTree, pred: torch.Tensor, n: torch.Tensor, pending: int, k: int) -> torch.Tensor:
-    """Two-level, level 2 on the device: if the chain broke at draft position n (< k, past the pending part)
-    and the target's token pred[n] is an alternative held at that position, return (1, length, continuation
-    [D-1]) of that alternative's pre-drafted branch, else (0, 0, padding)."""
-    dev = pred.device
-    depth = len(tree.main)
-    size = tree.size
-    main_t = torch.tensor(tree.main, device=dev)
-    main_parent = torch.tensor([-1, *tree.main[:-1]], device=dev)
-    j = (n - pending).clamp(0, depth - 1)  # the tree depth where the chain broke
-    c = pred[n.clamp(max=pred.shape[0] - 1)]
-    cand = (tree.parents == main_parent[j]) & (torch.arange(size, device=dev) != main_t[j]) & (tree.tokens == c)
-    valid = cand.any() & (n < k) & (n >= pending)
-    alt = cand.to(torch.int64).argmax()
-    below = tree.anc[:, alt] & (torch.arange(size, device=dev) != alt)  # the alternative's greedy branch
-    cont_idx = torch.where(below, torch.arange(size, device=dev), size).sort().values[: max(depth - 1, 1)]
-    cont = torch.cat([tree.tokens, tree.tokens.new_zeros(1)])[cont_idx]
-    length = torch.where(valid, below.sum(), 0)
-    return torch.cat([valid.to(torch.int64).view(1), length.view(1), cont])
+_COMB: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def comb_tree(main: torch.Tensor, alts: torch.Tensor) -> DraftTree:
+    """The two-level tree: chain nodes 0..k-1 (main [k]) and, beside chain node j, its alternatives
+    alts[j] [a] (children of chain node j-1, or of the root). Alternative (j, r) is node k + j * a + r."""
+    k, a = alts.shape
+    key = (k, a, str(main.device))
+    if key not in _COMB:
+        n = k * (1 + a)
+        parents = list(range(-1, k - 1)) + [j - 1 for j in range(k) for _ in range(a)]
+        depth = list(range(k)) + [j for j in range(k) for _ in range(a)]
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                anc[i, j] = True
+                j = parents[j]
+        _COMB[key] = (torch.tensor(parents, device=main.device), torch.tensor(depth, device=main.device),
+                      anc.to(main.device))
+    parents, depth, anc = _COMB[key]
+    n = parents.shape[0]
+    return DraftTree(torch.cat([main, alts.reshape(-1)]), parents, depth, anc,
+                     torch.ones(n, device=main.device), torch.full((n,), -1, dtype=torch.long, device=main.device), 0)
 
 
 @torch.inference_mode()
@@ -348,53 +346,46 @@ def two_level_generate(target: LeanLM, drafter: LeanLM, prompt: list[int], cfg: 
     t0 = time.perf_counter()
     eos = _eos(target)
     dev = target.device
+    a = cfg.two_level_alts
     cache, tokens = _prefill(target, prompt, stats)
-    tdraft = TreeDrafter(drafter)
-    pending: list[int] = []  # the alternative branch taken after the last break: the next draft's start
+    dcache = drafter.new_cache()
+    dlen = 0  # committed tokens whose KV the drafter's cache holds
     timer.mark("prefill")
     _, done = _finish(tokens[len(prompt):], cfg, eos)
     while not done:
         remaining = cfg.max_new_tokens - (len(tokens) - len(prompt))
         k = min(cfg.draft_len, remaining - 1)
-        pending = pending[: max(k, 0)]
-        p = len(pending)
-        tree = None
-        if k - p >= 1:
-            tree = tdraft.grow(tokens, pending, k - p, "two-level", 1, alts=cfg.two_level_alts)
-            draft = torch.cat([torch.tensor(pending, dtype=torch.long, device=dev), tree.tokens[tree.main]])
+        if k < 1:  # one token left: a plain target step
+            logits = target.forward(torch.tensor(tokens[-1:], device=dev), cache, last_only=True)
+            committed = [int(logits.argmax(dim=-1).item())]
+            stats.target_forwards += 1
+            stats.target_tokens += 1
         else:
-            draft = torch.tensor(pending, dtype=torch.long, device=dev)  # a pending draft fills the step
-        timer.mark("draft")
-        ids = torch.cat([torch.tensor(tokens[-1:], device=dev), draft])  # [k + 1]
-        logits = target.forward(ids, cache)  # [k + 1, V]
-        stats.target_forwards += 1
-        stats.target_tokens += ids.shape[0]
-        timer.mark("verify")
-        res = greedy_accept(logits, draft)  # (n, argmax [k + 1])
-        if tree is not None:
-            res = torch.cat([res, _alternative_lookup(tree, res[1:], res[0], p, k)])
-        out = res.tolist()  # the step's one device-to-host copy
-        n = out[0]
-        committed = out[1 : n + 2]
-        cache.crop(len(tokens) + n)
-        if tree is not None and n >= p:
-            tdraft.keep_path(tree.main_fed[: n - p])  # drafter: prefix + pending + fed accepted main nodes
-        else:
-            tdraft.cache_len = min(tdraft.cache_len, len(tokens) + n)
-        pending = []
-        if tree is not None and out[k + 2]:
-            length = out[k + 3]
-            pending = out[k + 4 : k + 4 + length]
-        tokens.extend(committed)
-        if k > 0:
+            # Level 1 and level 2 from the same k one-token drafter forwards: top-1 is the chain, the next a
+            # are the alternatives.
+            dcache.length = dlen
+            inp = torch.tensor(tokens[dlen:], device=dev)
+            top = []
+            for _ in range(k):
+                logits = drafter.forward(inp, dcache, last_only=True)  # [1, V]
+                top.append(logits.topk(1 + a, dim=-1).indices)  # [1, 1 + a]
+                inp = top[-1][0, :1]
+            stats.drafter_forwards += k
+            top_t = torch.cat(top)  # [k, 1 + a]
+            tree = comb_tree(top_t[:, 0], top_t[:, 1:])
+            timer.mark("draft")
+            n, committed, path, _ = _verify_tree(target, cache, tokens[-1], tree, stats, timer)
+            on_chain = n if n == 0 or path[-1] < k else n - 1  # the path ends in an alternative or not
+            stats.alternatives_accepted += n - on_chain
+            dlen = len(tokens) + min(on_chain, k - 1)  # the drafter fed the chain's first k - 1 nodes
             stats.draft_steps += 1
-            stats.drafted += k
+            stats.drafted += tree.size
             stats.accepted += n
             stats.accept_hist[n] += 1
+        tokens.extend(committed)
         done = len(tokens) - len(prompt) >= cfg.max_new_tokens or (cfg.stop_at_eos and eos in committed)
         timer.mark("accept")
     new, _ = _finish(tokens[len(prompt):], cfg, eos)
     stats.new_tokens = len(new)
-    stats.drafter_forwards = tdraft.forwards
     stats.wall_s = time.perf_counter() - t0
     return Generation(new, stats)

@@ -40,7 +40,7 @@ def random_tree(n: int, vocab: int, rng: random.Random) -> DraftTree:
             anc[i, j] = True
             j = parents[j]
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth), anc, torch.ones(n),
-                     torch.full((n,), -1), 0, [], [])
+                     torch.full((n,), -1), 0)
 
 
 def path_to(tree: DraftTree, i: int) -> list[int]:
@@ -211,20 +211,30 @@ def test_tree_drafter_cache_tracks_committed_sequence():
 
 
 @needs_demo
-def test_demo_fp32_lossless_and_two_level_saves_drafter_forwards(demo_fp32, demo_prompts):
+def test_demo_fp32_lossless_and_two_level_accepts_alternatives(demo_fp32, demo_prompts):
     target, draft = demo_fp32
     base = dict(max_new_tokens=48, dtype="float32", stop_at_eos=False, lean_forward=True)
-    saved = 0
+    alternatives = 0
     for prompt in demo_prompts:
         ref = ar_generate(target, prompt, DecodeConfig(method="ar", **{**base, "lean_forward": False})).tokens
         for kw in (dict(verify="tree"), dict(verify="tree", tree_shape="4,2,1,1"), dict(dcut=True, draft_len=8)):
             assert generate(DecodeConfig(**base, **kw), target, prompt, draft).tokens == ref, kw
-        chain = generate(DecodeConfig(**base, draft_len=3), target, prompt, draft)
         two = generate(DecodeConfig(**base, verify="two-level", draft_len=3), target, prompt, draft)
         assert two.tokens == ref
-        assert two.stats.target_forwards == chain.stats.target_forwards  # level 1 verifies the same chain
-        saved += chain.stats.drafter_forwards - two.stats.drafter_forwards
-    assert saved > 0  # level 2 (an alternative held where the chain broke) really fires on the demo
+        assert two.stats.drafter_forwards <= 3 * two.stats.draft_steps  # level 2 costs no drafter forward
+        alternatives += two.stats.alternatives_accepted
+    assert alternatives > 0  # level 2 (an alternative beside the broken chain node) really fires on the demo
+
+
+def test_comb_tree_structure():
+    from decoder.tree import comb_tree
+
+    tree = comb_tree(torch.tensor([10, 11, 12]), torch.tensor([[20, 21], [22, 23], [24, 25]]))
+    assert tree.tokens.tolist() == [10, 11, 12, 20, 21, 22, 23, 24, 25]
+    assert tree.parents.tolist() == [-1, 0, 1, -1, -1, 0, 0, 1, 1]
+    assert tree.depth.tolist() == [0, 1, 2, 0, 0, 1, 1, 2, 2]
+    for i in range(tree.size):
+        assert {j for j in range(tree.size) if tree.anc[i, j]} == set(path_to(tree, i))
 
 
 @torch.inference_mode()
