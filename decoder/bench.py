@@ -61,11 +61,11 @@ class TreeSettings:
 
     tree_shape: str = "dynamic"
     tree_topk: int = 4
-    tree_depth: int = 4
-    tree_budget: int = 16
-    two_level_alts: int = 2
+    tree_depth: int = 3
+    tree_budget: int = 12
+    two_level_alts: int = 3
     two_level_draft_len: int = 3
-    dcut_threshold: float = 0.3
+    dcut_threshold: float = 0.02
     dcut_max_len: int = 6
 
     def verify_widths(self) -> tuple[int, ...]:

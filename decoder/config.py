@@ -61,8 +61,8 @@ class DecodeConfig:
     verify: str = "chain"  # "chain" (stock), "tree" (one forward over a draft tree), "two-level"
     tree_shape: str = "dynamic"  # "dynamic" (EAGLE-2 expansion by cumulative confidence) or "4,2,1,1"
     tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per depth
-    tree_depth: int = 4  # dynamic tree: depth (drafter forwards per step)
-    tree_budget: int = 16  # dynamic tree: nodes the target verifies per step (root excluded)
+    tree_depth: int = 3  # dynamic tree: depth (drafter forwards per step)
+    tree_budget: int = 12  # dynamic tree: nodes the target verifies per step (root excluded)
     two_level_alts: int = 2  # two-level: drafter alternatives held per chain position (chain length = draft_len)
     dcut: bool = False  # cut the draft where the product of drafter top-1 probs < dcut_threshold (cap draft_len)
     dcut_threshold: float = 0.3
