@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,15 +38,43 @@ LEAN_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean")
 # the HF reference keeps bf16). Reference path on CPU (slower: it unpacks every forward), Triton on CUDA.
 # Not in the default set; ask with --methods. Speedups against ar-w12, like the lean methods.
 W12_METHODS = ("ar-w12", "sd-draft-model-w12", "sd-ngram-w12")
+# Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
+# forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
+TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
-ALL_METHODS = OUR_METHODS + LEAN_METHODS + HF_METHODS
+ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_METHODS
 KNOWN_METHODS = ALL_METHODS + W12_METHODS
-DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "hf-assisted-draft-model")
+DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "hf-assisted-draft-model",
+                       *TREE_METHODS)
 VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12"}
 
 
 def _baseline(name: str) -> str:
+    if name in TREE_METHODS:
+        return "ar-lean"
     return VARIANT_BASELINE.get(name.rsplit("-", 1)[-1], "ar")
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """Bench settings of sd-tree, sd-two-level and sd-dcut (defaults: the best measured on the demo, README)."""
+
+    tree_shape: str = "dynamic"
+    tree_topk: int = 4
+    tree_depth: int = 3
+    tree_budget: int = 12
+    two_level_alts: int = 3
+    two_level_draft_len: int = 3
+    dcut_threshold: float = 0.02
+    dcut_max_len: int = 6
+
+    def verify_widths(self) -> tuple[int, ...]:
+        """The target verify widths these methods use (the noise floor is measured at each)."""
+        from decoder.config import parse_tree_shape, static_tree_nodes
+
+        widths = parse_tree_shape(self.tree_shape)
+        tree = 1 + (static_tree_nodes(widths) if widths else self.tree_budget)
+        return (tree, self.two_level_draft_len + 1, self.dcut_max_len + 1)
 REFERENCE = "hf-greedy"
 
 
@@ -123,19 +151,30 @@ class Bench:
     """Holds the models and runs each method on a prompt."""
 
     def __init__(self, target, drafter, eos_id: int, cfg: DecodeConfig, ngram_draft_len: int,
-                 hf_prompt_lookup_tokens: int = 10) -> None:
+                 hf_prompt_lookup_tokens: int = 10, tree: TreeSettings | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.eos_id = eos_id
         self.cfg = cfg
         self.ngram_cfg = DecodeConfig(**{**cfg.as_dict(), "drafter": "ngram", "draft_len": ngram_draft_len})
         self.hf_prompt_lookup_tokens = hf_prompt_lookup_tokens
+        t = tree or TreeSettings()
+        self.tree = t
+        base = {**cfg.as_dict(), "lean_forward": True}
+        self.tree_cfgs = {
+            "sd-tree": DecodeConfig(**{**base, "verify": "tree", "tree_shape": t.tree_shape, "tree_topk": t.tree_topk,
+                                       "tree_depth": t.tree_depth, "tree_budget": t.tree_budget}),
+            "sd-two-level": DecodeConfig(**{**base, "verify": "two-level", "two_level_alts": t.two_level_alts,
+                                            "draft_len": t.two_level_draft_len}),
+            "sd-dcut": DecodeConfig(**{**base, "dcut": True, "dcut_threshold": t.dcut_threshold,
+                                       "draft_len": t.dcut_max_len}),
+        }
         self.device = next(target.parameters()).device
         self.w12_footprint: dict | None = None
 
     def methods(self, names: tuple[str, ...]) -> dict[str, Callable[[list[int]], tuple[list[int], DecodeStats]]]:
         lean_target = lean_drafter = None
-        if any(n in LEAN_METHODS for n in names):
+        if any(n in LEAN_METHODS + TREE_METHODS for n in names):
             from decoder.lean import LeanLM
 
             lean_target = LeanLM(self.target)
@@ -158,6 +197,9 @@ class Bench:
             "ar-w12": lambda p: self._ar(p, w12_target),
             "sd-draft-model-w12": lambda p: self._sd_draft(p, w12_target, self.drafter),
             "sd-ngram-w12": lambda p: self._sd_ngram(p, w12_target),
+            "sd-tree": lambda p: self._sd_tree(p, "sd-tree", lean_target, lean_drafter),
+            "sd-two-level": lambda p: self._sd_tree(p, "sd-two-level", lean_target, lean_drafter),
+            "sd-dcut": lambda p: self._sd_tree(p, "sd-dcut", lean_target, lean_drafter),
             "hf-greedy": lambda p: self._hf(p, {}),
             "hf-assisted-draft-model": lambda p: self._hf(p, {"assistant_model": self.drafter}),
             "hf-prompt-lookup": lambda p: self._hf(p, {"prompt_lookup_num_tokens": self.hf_prompt_lookup_tokens}),
@@ -170,6 +212,19 @@ class Bench:
 
     def _sd_draft(self, prompt: list[int], target, drafter) -> tuple[list[int], DecodeStats]:
         g = speculative_generate(target, DraftModelDrafter(drafter), prompt, self.cfg)
+        return g.tokens, g.stats
+
+    def _sd_tree(self, prompt: list[int], name: str, target, drafter) -> tuple[list[int], DecodeStats]:
+        from decoder.dcut import DCutDrafter
+        from decoder.tree import tree_generate, two_level_generate
+
+        c = self.tree_cfgs[name]
+        if name == "sd-tree":
+            g = tree_generate(target, drafter, prompt, c)
+        elif name == "sd-two-level":
+            g = two_level_generate(target, drafter, prompt, c)
+        else:
+            g = speculative_generate(target, DCutDrafter(drafter, c.dcut_threshold), prompt, c)
         return g.tokens, g.stats
 
     def _sd_ngram(self, prompt: list[int], target) -> tuple[list[int], DecodeStats]:
@@ -252,7 +307,7 @@ def run_bench(
     deployment: str = "custom", prompt_dir: Path | None = None, methods: tuple[str, ...] = ALL_METHODS,
     draft_len: int = 3, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
     dtype: str = "bfloat16", device: str = "cpu",
-    limit: int | None = None, noise_prompts: int = 4, progress: bool = True,
+    limit: int | None = None, noise_prompts: int = 4, progress: bool = True, tree: TreeSettings | None = None,
 ) -> dict:
     """Run every method on every prompt; return the JSON report (see the issue's contract)."""
     if max_new_tokens < 1:
@@ -276,7 +331,8 @@ def run_bench(
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
                        ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype, device=device)
-    bench = Bench(target, drafter, eos, cfg, ngram_draft_len)
+    tree = tree or TreeSettings()
+    bench = Bench(target, drafter, eos, cfg, ngram_draft_len, tree=tree)
     runners = bench.methods(methods)
     encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
     dev = torch.device(device)
@@ -304,7 +360,10 @@ def run_bench(
     bar.close()
 
     reference = results[REFERENCE].outputs
-    k_widths = tuple(sorted({draft_len + 1, ngram_draft_len + 1}))
+    k_widths = {draft_len + 1, ngram_draft_len + 1}
+    if any(m in TREE_METHODS for m in methods):
+        k_widths |= set(tree.verify_widths())
+    k_widths = tuple(sorted(k_widths))
     pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference[:noise_prompts], strict=True)]
     floor = noise_floor(target, pairs,
                         k_widths)
@@ -338,15 +397,28 @@ def run_bench(
             "new_tokens": res.tokens,
             "seconds": round(res.seconds, 4),
             "target_forwards": res.stats.target_forwards,
+            "target_forwards_per_token": round(res.stats.target_forwards / max(1, res.tokens), 4),
             "divergences": divergences,
         }
-        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS:
+            # Target work: positions scored per new token (prompt included), and drafter forwards per token.
+            entry["target_tokens_per_token"] = round(res.stats.target_tokens / max(1, res.tokens), 4)
+            entry["drafter_forwards_per_token"] = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
             entry["acceptance_rate"] = round(res.stats.acceptance_rate, 4) if res.stats.drafted else None
             entry["accept_hist"] = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
             entry["phase_ms_per_token"] = {k: round(1000 * v / max(1, res.tokens), 4)
                                            for k, v in res.stats.phase_s.items()}
             entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
-                                  ngram_draft_len if name.startswith("sd-ngram") else None)
+                                  ngram_draft_len if name.startswith("sd-ngram") else
+                                  bench.tree_cfgs[name].draft_len if name in ("sd-two-level", "sd-dcut") else None)
+            if name in TREE_METHODS:
+                c = bench.tree_cfgs[name]
+                entry["mechanism_config"] = (
+                    {"verify": "tree", "tree_shape": c.tree_shape, "tree_topk": c.tree_topk,
+                     "tree_depth": c.tree_depth, "tree_budget": c.tree_budget} if name == "sd-tree" else
+                    {"verify": "two-level", "two_level_alts": c.two_level_alts, "draft_len": c.draft_len}
+                    if name == "sd-two-level" else
+                    {"dcut": True, "dcut_threshold": c.dcut_threshold, "draft_len": c.draft_len})
         report_methods.append(entry)
     order = {m: i for i, m in enumerate(KNOWN_METHODS)}
     report_methods.sort(key=lambda m: order[m["name"]])
@@ -362,7 +434,8 @@ def run_bench(
         "target": str(target_dir),
         "drafter": str(drafter_dir) if drafter_dir else None,
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
-                   "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens},
+                   "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens,
+                   **({"tree": asdict(tree)} if any(m in TREE_METHODS for m in methods) else {})},
         "torch": torch.__version__,
         **({"w12": bench.w12_footprint} if bench.w12_footprint else {}),
     }
@@ -372,14 +445,15 @@ def format_table(report: dict) -> str:
     head = (f"deployment {report['deployment']} · prompts {report['prompts']} ({report['num_prompts']}) · "
             f"{report['max_new_tokens']} new tokens · {report['dtype']} on {report['device']} · "
             f"noise floor {report['noise_floor']:.4f}")
-    cols = ("method", "tok/s", "vs AR", "vs HF", "tau", "accept", "identical", "diverged", "unexplained")
+    cols = ("method", "tok/s", "vs AR", "vs HF", "tau", "fwd/tok", "accept", "identical", "diverged",
+            "unexplained")
     rows = []
     for m in report["methods"]:
         acc = m.get("acceptance_rate")
         rows.append((
             m["name"], f"{m['tokens_per_s']:.1f}",
             f"{m['speedup_vs_ar']:.2f}x" if m["speedup_vs_ar"] is not None else "-",
-            f"{m['speedup_vs_hf_greedy']:.2f}x", f"{m['tau']:.2f}",
+            f"{m['speedup_vs_hf_greedy']:.2f}x", f"{m['tau']:.2f}", f"{m['target_forwards_per_token']:.3f}",
             f"{acc:.0%}" if acc is not None else "-",
             "yes" if m["identical_to_hf_greedy"] else "no",
             str(m["mismatched_prompts"]), str(m["unexplained_mismatches"]),
@@ -390,7 +464,14 @@ def format_table(report: dict) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     for variant, base in VARIANT_BASELINE.items():
         if any(m.get("ar_baseline") == base for m in report["methods"]):
-            lines.append(f"vs AR of *-{variant} methods is against {base} (speculation's gain alone)")
+            extra = ", sd-tree, sd-two-level, sd-dcut" if variant == "lean" and any(
+                m["name"] in TREE_METHODS for m in report["methods"]) else ""
+            lines.append(f"vs AR of *-{variant}{extra} methods is against {base} (speculation's gain alone)")
+    tree = report.get("config", {}).get("tree")
+    if tree:
+        lines.append("sd-tree: shape {tree_shape}, top-k {tree_topk}, depth {tree_depth}, budget {tree_budget}; "
+                     "sd-two-level: k {two_level_draft_len}, alternatives {two_level_alts}; "
+                     "sd-dcut: threshold {dcut_threshold}, max k {dcut_max_len}".format(**tree))
     lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
     lines.append("all methods lossless (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")

@@ -9,6 +9,33 @@ from pathlib import Path
 METHODS = ("ar", "sd")
 DRAFTERS = ("draft-model", "ngram")
 DTYPES = ("bfloat16", "float32", "float16")
+VERIFY_MODES = ("chain", "tree", "two-level")
+MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
+
+
+def parse_tree_shape(shape: str) -> tuple[int, ...] | None:
+    """`"dynamic"` -> None; `"4,2,1"` -> (4, 2, 1): children per node at each depth of a static tree.
+
+    Raises ValueError naming the bad part; DecodeConfig.validate turns it into a ConfigError.
+    """
+    if shape == "dynamic":
+        return None
+    try:
+        widths = tuple(int(p) for p in shape.split(","))
+    except ValueError:
+        raise ValueError("use 'dynamic' or comma-separated children per depth, e.g. '4,2,1,1'") from None
+    if not widths or not all(1 <= w <= 16 for w in widths) or len(widths) > 16:
+        raise ValueError("each depth needs 1 to 16 children, at most 16 depths, e.g. '4,2,1,1'")
+    return widths
+
+
+def static_tree_nodes(widths: tuple[int, ...]) -> int:
+    """Nodes (root excluded) of a static tree with `widths` children per node at each depth."""
+    total, level = 0, 1
+    for w in widths:
+        level *= w
+        total += level
+    return total
 
 
 class ConfigError(ValueError):
@@ -35,6 +62,15 @@ class DecodeConfig:
     load_aware_draft: bool = False  # mechanism load-aware-drafting: per-request k from batch load and acceptance
     load_aware_fixed_rows: int = 64  # its cost model: a forward's fixed cost in target rows (weights read, overhead)
     continuous_batching: bool = False  # mechanism continuous-batching: finished requests leave, new ones join
+    # Mechanisms tree-verify and two-level-verify (decoder/tree.py), d-cut (decoder/dcut.py); off in stock.
+    verify: str = "chain"  # "chain" (stock), "tree" (one forward over a draft tree), "two-level"
+    tree_shape: str = "dynamic"  # "dynamic" (EAGLE-2 expansion by cumulative confidence) or "4,2,1,1"
+    tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per depth
+    tree_depth: int = 3  # dynamic tree: depth (drafter forwards per step)
+    tree_budget: int = 12  # dynamic tree: nodes the target verifies per step (root excluded)
+    two_level_alts: int = 2  # two-level: drafter alternatives held per chain position (chain length = draft_len)
+    dcut: bool = False  # cut the draft where the product of drafter top-1 probs < dcut_threshold (cap draft_len)
+    dcut_threshold: float = 0.3
     dtype: str = "bfloat16"
     device: str = "cpu"
 
@@ -69,6 +105,37 @@ class DecodeConfig:
             raise bad("load_aware_fixed_rows", "use 1 to 4096 (target rows one forward's fixed cost is worth)")
         if self.load_aware_draft and self.method != "sd":
             raise bad("load_aware_draft", "it chooses draft lengths; set method = \"sd\" or turn it off")
+        if self.verify not in VERIFY_MODES:
+            raise bad("verify", f"choose one of {', '.join(VERIFY_MODES)}")
+        try:
+            widths = parse_tree_shape(self.tree_shape)
+        except ValueError as e:
+            raise bad("tree_shape", str(e)) from None
+        if widths is not None and static_tree_nodes(widths) > MAX_TREE_NODES:
+            raise bad("tree_shape", f"{static_tree_nodes(widths)} nodes exceed {MAX_TREE_NODES}; use fewer children")
+        if not 1 <= self.tree_topk <= 16:
+            raise bad("tree_topk", "use 1 to 16")
+        if not 1 <= self.tree_depth <= 16:
+            raise bad("tree_depth", "use 1 to 16")
+        if not 1 <= self.tree_budget <= MAX_TREE_NODES:
+            raise bad("tree_budget", f"use 1 to {MAX_TREE_NODES} nodes")
+        if not 1 <= self.two_level_alts <= 8:
+            raise bad("two_level_alts", "use 1 to 8")
+        if not 0.0 < self.dcut_threshold < 1.0:
+            raise bad("dcut_threshold", "use a probability strictly between 0 and 1")
+        if self.verify != "chain":
+            needs = {"method": "sd", "drafter": "draft-model", "lean_forward": True, "cuda_graphs": False,
+                     "temperature": 0.0}
+            for key, want in needs.items():
+                if getattr(self, key) != want:
+                    raise bad("verify", f"{self.verify} verification needs {key} = {want!r} "
+                                        f"(it runs greedy on the lean forward with a draft model); set it or "
+                                        f"use verify = 'chain'")
+        if self.dcut:
+            if self.drafter != "draft-model":
+                raise bad("dcut", "D-cut reads the draft model's probabilities; set drafter = 'draft-model'")
+            if self.verify != "chain":
+                raise bad("dcut", "D-cut cuts a chain draft; use verify = 'chain' (trees already expand by confidence)")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
 

@@ -39,6 +39,8 @@ class DraftModelDrafter(Drafter):
         self.cache = None
         self.cache_len = 0  # tokens of the committed sequence whose KV the cache holds
         self._last_k = 0
+        self._fed = 0  # drafts of the last draft the cache saw (k - 1: the last one is never fed)
+        self.forwards = 0
 
     def reset(self, prompt: list[int]) -> None:
         self.cache = self.model.new_cache()
@@ -63,13 +65,15 @@ class DraftModelDrafter(Drafter):
         # The cache now holds tokens + drafted[:-1]; the last draft was never fed.
         self.cache_len = len(tokens) + k - 1
         self._last_k = k
+        self._fed = k - 1
+        self.forwards += k
         draft = torch.cat(drafted)  # [k]
         return draft, (torch.cat(probs, dim=0) if probs else None)
 
     def commit(self, tokens: list[int], n_accepted: int) -> None:
         # Valid prefix: the committed sequence before the step plus the accepted drafts the cache saw.
         before = len(tokens) - n_accepted - 1
-        keep = before + min(n_accepted, self._last_k - 1)
+        keep = before + min(n_accepted, self._fed)
         if keep < self.cache_len:
             crop_cache(self.cache, keep)
             self.cache_len = keep

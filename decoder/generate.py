@@ -64,8 +64,9 @@ def ar_generate(target, prompt: list[int], cfg: DecodeConfig, profile_sync: bool
         logits = target.forward(inp, cache, last_only=True)  # [1, V]
         nxt = _select(logits, cfg, gen)  # [1]
         out.append(nxt)
-        inp = nxt
         stats.target_forwards += 1
+        stats.target_tokens += inp.shape[0]
+        inp = nxt
         timer.mark("prefill" if i == 0 else "verify")
         # EOS is checked every few tokens, not every token: one host sync per 8 steps.
         if (i + 1) % done_check_every == 0 and eos in torch.cat(out[-done_check_every:]).tolist():
@@ -83,6 +84,10 @@ def make_drafter(cfg: DecodeConfig, drafter_model=None, device: torch.device | s
         if drafter_model is None:
             raise ValueError("drafter = 'draft-model' needs a draft model; pass --drafter DIR or use "
                              "drafter = 'ngram'")
+        if cfg.dcut:
+            from decoder.dcut import DCutDrafter
+
+            return DCutDrafter(drafter_model, cfg.dcut_threshold, cfg.temperature, generator)
         return DraftModelDrafter(drafter_model, cfg.temperature, generator)
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
 
@@ -113,6 +118,7 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
     tokens = list(prompt)
     tokens.append(int(_select(logits, cfg, generator).item()))
     stats.target_forwards += 1
+    stats.target_tokens += len(prompt)
     drafter.reset(prompt)
     timer.mark("prefill")
 
@@ -130,6 +136,7 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
         inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft])  # [k+1]
         logits = target.forward(inp, cache)  # [k+1, V]
         stats.target_forwards += 1
+        stats.target_tokens += inp.shape[0]
         timer.mark("verify")
 
         if cfg.temperature > 0:
@@ -154,6 +161,7 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
 
     new, _ = _finish(tokens[len(prompt):], cfg, eos)
     stats.new_tokens = len(new)
+    stats.drafter_forwards = getattr(drafter, "forwards", 0)
     stats.wall_s = time.perf_counter() - t0
     return Generation(new, stats)
 
@@ -183,6 +191,13 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         drafter_model = lean(drafter_model) if drafter_model is not None else None
     if cfg.method == "ar":
         return ar_generate(target, prompt, cfg, profile_sync)
+    if cfg.verify != "chain":  # validate() guarantees greedy, lean target and a draft model
+        from decoder.tree import tree_generate, two_level_generate
+
+        if drafter_model is None:
+            raise ValueError(f"verify = {cfg.verify!r} needs a draft model; pass --drafter DIR")
+        loop = tree_generate if cfg.verify == "tree" else two_level_generate
+        return loop(target, drafter_model, prompt, cfg, profile_sync)
     device = as_runner(target).device
     drafter = make_drafter(cfg, drafter_model, device)
     return speculative_generate(target, drafter, prompt, cfg, profile_sync=profile_sync)

@@ -36,6 +36,17 @@ class LeanCache:
         # Rollback is a length change: entries past `length` are overwritten by the next forward.
         self.length = min(self.length, keep)
 
+    def compact(self, start: int, rows: torch.Tensor) -> None:
+        """Keep the entries at slots start + rows (ascending offsets, e.g. a tree's accepted path) as
+        slots start.. start + len(rows) - 1, in place, and drop the rest: after a tree verify the cache
+        reads as if only the accepted path had been fed. rows: [n] long."""
+        n = rows.shape[0]
+        src = rows + start
+        # Advanced indexing gathers into a new tensor first, so overlapping source and destination is safe.
+        self.k[:, :, start : start + n] = self.k[:, :, src]
+        self.v[:, :, start : start + n] = self.v[:, :, src]
+        self.length = start + n
+
 
 class LeanLM:
     """Batch-1 causal LM forward over a LeanCache. `forward(ids [q], cache, last_only)` -> logits [q|1, V]."""
@@ -99,18 +110,27 @@ class LeanLM:
         return x * cos + rot * sin
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False) -> torch.Tensor:
-        """Append `ids` [q] at positions cache.length.. and return their logits [q, V] (or [1, V])."""
+    def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append `ids` [q] at positions cache.length.. and return their logits [q, V] (or [1, V]).
+
+        Tree verification passes its own `positions` [q] (RoPE position of each node: its depth after
+        the prefix) and `attn_mask` [q, cache.length + q] (True = may attend: the prefix and the node's
+        ancestors and itself); the KV still lands in slots cache.length.. in node order.
+        """
         q = ids.shape[0]
         start = cache.length
         end = start + q
         if end > cache.k.shape[2]:
             raise ValueError(f"lean forward: sequence length {end} exceeds the KV buffer ({cache.k.shape[2]}); "
                              f"create the cache with a larger max_len")
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [q, hd]
+        if positions is None:
+            cos, sin = self.cos[start:end], self.sin[start:end]  # [q, hd]
+        else:
+            cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         x = F.embedding(ids, self.embed)  # [q, D]
-        mask = None
-        if q > 1:  # block-causal: new token i sees the cache and new tokens 0..i
+        mask = attn_mask
+        if mask is None and q > 1:  # block-causal: new token i sees the cache and new tokens 0..i
             mask = torch.ones(q, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
         for li, (ln1, wqkv, wo, ln2, wgu, wdown) in enumerate(self.layers):
             h = self._rms(x, ln1)

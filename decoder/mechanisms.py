@@ -95,6 +95,37 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         summary="finished requests leave the batch and waiting ones join between steps (their prefill is "
                 "one forward), so the batch never waits for its slowest request",
     ),
+    Mechanism(
+        name="tree-verify", family="acceptance",
+        keys={"verify": ("chain", "tree"), "tree_shape": ("dynamic", "2,2,1,1", "3,2,1,1", "4,2,1,1", "2,2,2,1,1"),
+              "tree_topk": (2, 3, 4, 6, 8), "tree_depth": (3, 4, 5, 6, 8), "tree_budget": (8, 12, 16, 24, 32, 48)},
+        stock={"verify": "chain"},
+        applies="a draft model whose top-1 misses often but whose top-k holds the target's token; the target's "
+                "step cost grows slowly with verify width (batch 1, memory- or overhead-bound)",
+        summary="one target forward over a draft tree (static shape or EAGLE-2 dynamic expansion under a node "
+                "budget) with an ancestor-only mask; the accepted path's KV compacted in place (decoder/tree.py)",
+        requires={"method": "sd", "drafter": "draft-model", "lean_forward": True, "temperature": 0.0},
+    ),
+    Mechanism(
+        name="two-level-verify", family="acceptance",
+        keys={"verify": ("chain", "two-level"), "two_level_alts": (1, 2, 3, 4), "draft_len": tuple(range(1, 9))},
+        stock={"verify": "chain"},
+        applies="the drafter's top-1 misses often but its top few hold the target's token; the target's step "
+                "cost is flat in verify width",
+        summary="level 1 the drafter's chain, level 2 its next-best tokens beside every chain node as leaves, "
+                "one target forward; no drafter forward beyond the chain's (decoder/tree.py)",
+        requires={"method": "sd", "drafter": "draft-model", "lean_forward": True, "temperature": 0.0},
+    ),
+    Mechanism(
+        name="d-cut", family="drafting",
+        keys={"dcut": (False, True), "dcut_threshold": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7),
+              "draft_len": tuple(range(1, 13))},
+        stock={"dcut": False},
+        applies="a draft model whose confidence predicts acceptance; spans of very different difficulty",
+        summary="cut each draft where the running product of drafter top-1 probabilities falls below a "
+                "threshold; under batching a verify budget ranked by that product (decoder/dcut.py)",
+        requires={"method": "sd", "drafter": "draft-model", "verify": "chain"},
+    ),
 )}
 
 

@@ -17,6 +17,9 @@ class DecodeStats:
 
     new_tokens: int = 0
     target_forwards: int = 0  # including the prefill forward
+    target_tokens: int = 0  # positions the target scored (prompt, verify widths, tree nodes): its work
+    drafter_forwards: int = 0  # draft-model forwards (0 when a loop does not count them)
+    alternatives_accepted: int = 0  # two-level: steps whose accepted path ended in a level-2 alternative
     draft_steps: int = 0  # verify steps that carried at least one drafted token
     drafted: int = 0
     accepted: int = 0
@@ -36,6 +39,9 @@ class DecodeStats:
     def merge(self, other: DecodeStats) -> None:
         self.new_tokens += other.new_tokens
         self.target_forwards += other.target_forwards
+        self.target_tokens += other.target_tokens
+        self.drafter_forwards += other.drafter_forwards
+        self.alternatives_accepted += other.alternatives_accepted
         self.draft_steps += other.draft_steps
         self.drafted += other.drafted
         self.accepted += other.accepted
@@ -48,6 +54,9 @@ class DecodeStats:
         return {
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
+            "target_tokens": self.target_tokens,
+            "drafter_forwards": self.drafter_forwards,
+            "alternatives_accepted": self.alternatives_accepted,
             "tau": round(self.tau, 4),
             "drafted": self.drafted,
             "accepted": self.accepted,

@@ -27,6 +27,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         ALL_METHODS,
         DRAFT_MODEL_METHODS,
         BenchError,
+        TreeSettings,
         bench_deployment,
         format_table,
         run_bench,
@@ -54,6 +55,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max,
             ngram_min=args.ngram_min, dtype=args.dtype,
             device=args.device, limit=args.limit, progress=not args.quiet,
+            tree=_tree_settings(args, TreeSettings),
         )
     except (BenchError, ModelLoadError, ConfigError) as e:
         return fail(str(e))
@@ -84,6 +86,20 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _tree_settings(args: argparse.Namespace, cls):
+    """TreeSettings from the --tree-*/--two-level-*/--dcut-* flags (unset flags keep the defaults)."""
+    from decoder.config import DecodeConfig
+
+    defaults = cls()
+    kw = {f: getattr(args, f) for f in defaults.__dataclass_fields__ if getattr(args, f, None) is not None}
+    settings = cls(**kw)
+    # Let DecodeConfig name a bad value the way a config file would.
+    DecodeConfig(lean_forward=True, verify="tree", tree_shape=settings.tree_shape, tree_topk=settings.tree_topk,
+                 tree_depth=settings.tree_depth, tree_budget=settings.tree_budget,
+                 two_level_alts=settings.two_level_alts, dcut_threshold=settings.dcut_threshold)
+    return settings
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -126,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix the n-gram drafter matches")
     b.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix it accepts")
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
+    b.add_argument("--tree-shape", help="sd-tree: 'dynamic' or children per depth, e.g. 4,2,1,1")
+    b.add_argument("--tree-topk", type=positive_int, help="sd-tree (dynamic): nodes expanded per depth, children each")
+    b.add_argument("--tree-depth", type=positive_int, help="sd-tree (dynamic): depth")
+    b.add_argument("--tree-budget", type=positive_int, help="sd-tree (dynamic): nodes the target verifies per step")
+    b.add_argument("--two-level-alts", type=positive_int, help="sd-two-level: alternatives held per chain position")
+    b.add_argument("--two-level-draft-len", type=positive_int, help="sd-two-level: chain length k")
+    b.add_argument("--dcut-threshold", type=float, help="sd-dcut: cut where the product of top-1 probs < this")
+    b.add_argument("--dcut-max-len", type=positive_int, help="sd-dcut: longest draft")
     b.add_argument("--limit", type=positive_int, help="use only the first N prompts")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     b.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
