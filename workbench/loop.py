@@ -208,7 +208,20 @@ class Loop:
             out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
         # families where other deployments already found something go first among equals
         out.sort(key=lambda d: (not d.memory, -d.gap_ms))
-        return out[: self.opts.agents]
+        out = out[: self.opts.agents]
+        if out and out[0].memory and not self.state.get("transfer_tried"):
+            # First contact with what other deployments learned: the first agent also tries every
+            # accepted mechanism of the gap families together (the tuner composes them), not one
+            # family per round.
+            extra = [m for d in out[1:] for m in d.memory]
+            extra += [m for fam, ms in fams if ms > 0 and fam not in {d.family for d in out}
+                      for m in self._memory_for(fam)]
+            if extra:
+                first = out[0]
+                out[0] = Direction(first.family, first.gap_ms, first.summary + "; transfer: composes the "
+                                   "mechanisms accepted elsewhere", first.mechanisms, first.memory + extra)
+            self.state["transfer_tried"] = True
+        return out
 
     def _memory_for(self, family: str) -> list[dict]:
         if not self.opts.use_global_memory:

@@ -82,6 +82,9 @@ def run_auto(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, interrupted)
+    from workbench.cli import _quiet_transformers
+
+    _quiet_transformers()  # our progress lines say what happens; no weight-loading bars in between
     opts = LoopOptions(rounds=args.rounds, agents=args.agents, agent=args.agent, budget_minutes=args.budget_minutes,
                        use_global_memory=not args.no_global_memory, auto_accept=True)
     try:

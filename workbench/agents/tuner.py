@@ -64,10 +64,14 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
     out: list[Candidate] = []
     seen = {json.dumps(base.as_dict(), sort_keys=True)}
     proposals: list[tuple[str, dict]] = []
-    for item in memory:
-        conf = item.get("config") or {}
-        if conf:
-            proposals.append((f"memory:{item.get('name', '?')}", conf))
+    confs = [(item.get("name", "?"), item.get("config") or {}) for item in memory]
+    confs = [(n, c) for n, c in confs if c]
+    if len(confs) > 1:  # all of them composed, best-measured first so later ones refine it
+        composed: dict = {}
+        for _, c in reversed(confs):
+            composed.update(c)
+        proposals.append(("memory:" + "+".join(n for n, _ in confs), composed))
+    proposals += [(f"memory:{n}", c) for n, c in confs]
     for name, m in REGISTRY.items():
         if m.family == family and base.device.split(":")[0] in m.devices:
             proposals += [(name, c) for c in _grid(name, rng)]
