@@ -91,7 +91,11 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
 
 def mechanism_name(changes: dict) -> str:
     """The registry mechanisms a change touches, with the values it set."""
-    names = [n for n, m in REGISTRY.items() if set(m.keys) & set(changes)]
+    def touched(m) -> bool:  # one of its defining keys moved to a value of its own
+        return any(k in changes and changes[k] != v and changes[k] in m.keys.get(k, (changes[k],))
+                   for k, v in m.stock.items())
+
+    names = [n for n, m in REGISTRY.items() if touched(m)]
     vals = ",".join(f"{k}={v}" for k, v in sorted(changes.items()))
     return f"{'+'.join(names) or 'config'}({vals})"
 
