@@ -131,7 +131,12 @@ class TunerAgent:
         base_c = Candidate({}, "current", base)
         with run_system(self.ws, wt, f"tuner-{ctx.branch}") as sp:
             base_tps = 0.0
-            for rung, (np_, n) in enumerate(self.rungs):
+            ratio = 0.0
+            transferred = self._from_memory(sp, base, [c for c in cands if c.source.startswith("memory:")],
+                                            prompts, limit, ref, threshold, history)
+            if transferred is not None:  # accepted elsewhere and a win here too: no search needed
+                alive, ratio = [transferred[0]], transferred[1]
+            for rung, (np_, n) in enumerate(self.rungs if transferred is None else ()):
                 if ctx.stop.is_set():
                     return AgentResult(False, "stopped by the engineer before a winner was found")
                 n = min(n, limit)
@@ -158,8 +163,7 @@ class TunerAgent:
                     alive = alive[: max(1, math.ceil(len(alive) * KEEP))]
             # The finalist against the current config, interleaved A B B A on every visible prompt:
             # single sequential runs on a shared machine are too noisy to decide on.
-            ratio = 0.0
-            if alive and not ctx.stop.is_set():
+            if transferred is None and alive and not ctx.stop.is_set():
                 with measurement_lock():
                     ratio = self._paired(sp, base, alive[0].cfg, prompts, min(self.rungs[-1][1], limit))
                 history.append({"final": alive[0].changes, "paired_ratio": ratio})
@@ -178,6 +182,23 @@ class TunerAgent:
         return AgentResult(True, f"{name}: {ratio:.2f}x on the visible prompts (paired)", mechanism=name,
                            summary=f"{ctx.direction.family}: set {win.changes} in system.toml (from {win.source})",
                            details={"config": win.changes, "history": history, "source": win.source})
+
+    def _from_memory(self, sp, base: DecodeConfig, mem: list[Candidate], prompts, limit: int, ref: dict,
+                     threshold: float, history: list) -> tuple[Candidate, float] | None:
+        """Memory's configs first (the composition of all, then each): the first that keeps stock's tokens
+        and beats the current config by min_gain in a paired run wins outright."""
+        n = min(self.rungs[-1][1], limit)
+        with measurement_lock():
+            for c in mem[:4]:
+                _, bad = self._score(sp, c.cfg, prompts[:2], n, ref, threshold)
+                if bad:
+                    history.append({"memory": c.changes, "dropped": bad})
+                    continue
+                r = self._paired(sp, base, c.cfg, prompts, n, passes=1)
+                history.append({"memory": c.changes, "paired_ratio": r})
+                if r >= self.min_gain:
+                    return c, r
+        return None
 
     @staticmethod
     def _paired(sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 2) -> float:
