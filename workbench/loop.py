@@ -151,20 +151,27 @@ class Loop:
                  "loop.measure", {"label": label, "commit": commit, **res.as_dict()})
         return {"commit": commit, **res.as_dict()}
 
+    def hardware(self):
+        """The deployment's hardware profile; this machine is measured once (and saved) if it never was."""
+        from costmodel.hardware import LOCAL, HardwareError, get_profile, measure_cpu_local, save_profile
+
+        try:
+            return get_profile(self.ws.config.hardware)
+        except HardwareError:
+            if self.ws.config.hardware != LOCAL:
+                raise
+            self.say("measuring this machine once for the cost model (specpilot profile hardware)")
+            hw = measure_cpu_local(self.ws.config.target, seconds_budget=5.0)
+            save_profile(hw)
+            return hw
+
     def ceiling(self) -> float:
         from costmodel.deployment import CostDeployment
-        from costmodel.hardware import get_profile
         from costmodel.model_profile import load_model_profile
         from costmodel.step import Drafter
 
         c = self.ws.config
-        try:
-            hw = get_profile(c.hardware)
-        except Exception:  # noqa: BLE001 - not measured yet: measure this machine once
-            from costmodel.hardware import measure_cpu_local, save_profile
-
-            hw = measure_cpu_local(c.target, seconds_budget=5.0)
-            save_profile(hw)
+        hw = self.hardware()
         drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
         dep = CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=4)
         return dep.oracle_ceiling()
@@ -174,7 +181,6 @@ class Loop:
     def gaps(self, commit: str) -> dict:
         """Profile the base through the harness and break its time per token into ranked gaps."""
         from costmodel.gaps import measured_gaps
-        from costmodel.hardware import get_profile
         from costmodel.model_profile import load_model_profile
         from decoder.config import DecodeConfig
 
@@ -185,7 +191,7 @@ class Loop:
             sp.generate(prompts[0].ids, 4)
             entry = profile_entry(sp, prompts, self.ws.config.forcing_max_new_tokens, cfg.draft_len)
         context = int(sum(len(p.ids) for p in prompts) / len(prompts))
-        bd = measured_gaps(entry, get_profile(self.ws.config.hardware), load_model_profile(self.ws.config.target),
+        bd = measured_gaps(entry, self.hardware(), load_model_profile(self.ws.config.target),
                            context, num_prompts=len(prompts))
         return {"entry": entry, "breakdown": bd.as_dict()}
 
