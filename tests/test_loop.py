@@ -158,3 +158,36 @@ def test_a_round_with_the_llm_agent_against_a_local_openai_server(tmp_path):
     assert "SEARCH" in sent and "nearest" in sent.lower()  # the failed block went back with the nearest lines
     assert att["status"] == "keep", att
     assert summary["final_speedup"] > summary["stock_speedup"]
+
+
+@pytest.mark.slow
+def test_auto_resumes_the_round_it_was_killed_in(tmp_path):
+    """kill -9 in the middle of round 1, run the same command again: round 1 is finished, not restarted."""
+    import os
+    import signal
+    import sqlite3
+    import time
+
+    w = init_demo(tmp_path / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1)
+    cmd = [sys.executable, "-m", "workbench.tui_entry", "--auto", "--workspace", str(w.path), "--rounds", "1",
+           "--agents", "1", "--no-global-memory", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = w.path / ".specpilot" / "memory.db"
+    deadline = time.time() + 600
+    while time.time() < deadline:  # wait until an agent of round 1 is at work
+        time.sleep(1)
+        if db.exists() and sqlite3.connect(db).execute(
+                "SELECT count(*) FROM branches WHERE name LIKE 'r1-%' AND status = 'running'").fetchone()[0]:
+            break
+    assert proc.poll() is None, "the loop ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads((w.path / ".specpilot" / "loop.json").read_text())
+    assert state["current_round"]["index"] == 1
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stderr
+    s = json.loads(r.stdout)
+    assert [x["index"] for x in s["rounds"]] == [1] and s["rounds"][0]["attempts"]
+    rounds = sqlite3.connect(db).execute("SELECT count(*) FROM rounds WHERE status = 'done'").fetchone()[0]
+    assert rounds == 1  # the interrupted round was finished, not a second one started
