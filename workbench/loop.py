@@ -337,8 +337,9 @@ class Loop:
             if name in done:
                 continue
             if self.ws.find_branch(name) is not None:
-                self.ws.remove_branch(name)  # an interrupted attempt: start it over
-            self.ws.create_branch(name, base=base, agent=agent.name, direction=d.family, round_id=rnd.id)
+                self.ws.reset_branch(name, base)  # an interrupted attempt: start it over
+            else:
+                self.ws.create_branch(name, base=base, agent=agent.name, direction=d.family, round_id=rnd.id)
             todo.append((name, d))
         executor = self.executor or LocalExecutor(min(len(todo) or 1, self.opts.agents, os.cpu_count() or 1))
         try:
@@ -405,9 +406,10 @@ class Loop:
         else:
             name = f"r{index}-combined"
             if self.ws.find_branch(name) is not None:
-                self.ws.remove_branch(name)
-            self.ws.create_branch(name, base=base, agent="integrator", direction="+".join(a["direction"] for a in kept),
-                                  round_id=round_id)
+                self.ws.reset_branch(name, base)
+            else:
+                self.ws.create_branch(name, base=base, agent="integrator",
+                                      direction="+".join(a["direction"] for a in kept), round_id=round_id)
             wt = git.Repo(self.ws.worktree_path(name))
             merged, skipped = [], []
             for a in kept:

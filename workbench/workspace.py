@@ -212,6 +212,20 @@ class Workspace:
         return self.memory.add_branch(round_id if round_id is not None else self.manual_round_id(), name,
                                       agent=agent, direction=direction, head_commit=base_sha, worktree_path=wt)
 
+    def reset_branch(self, name: str, base: str) -> Branch:
+        """Start a branch over from `base` (an interrupted attempt resumed): same store row, fresh worktree."""
+        b = self.branch(name)
+        wt = self.worktree_path(name)
+        if wt.exists():
+            self.repo.git.worktree("remove", "--force", str(wt))
+        self.repo.git.worktree("prune")
+        base_sha = self.rev(base)
+        self.repo.git.worktree("add", "-B", name, str(wt), base_sha)
+        self._lock_path(name).unlink(missing_ok=True)
+        self.memory.record_event("branch.reset", f"branch {name} started over from {base_sha[:10]}",
+                                 {"branch_id": b.id})
+        return self.memory.update_branch(b.id, status="created", head_commit=base_sha, worktree_path=wt)
+
     def head(self, name: str) -> str:
         return self.rev(name)
 
