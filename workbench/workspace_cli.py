@@ -82,8 +82,10 @@ def _cmd_branch(args: argparse.Namespace) -> int:
 
 
 def _cmd_force(args: argparse.Namespace) -> int:
+    from workbench.cli import _quiet_transformers
     from workbench.forcing import force, format_report
 
+    _quiet_transformers()
     try:
         ws = _workspace(args)
         report = force(ws, args.branch, progress=not args.quiet)
