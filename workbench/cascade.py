@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import git
-
 from workbench.forcing import force, run_system
 from workbench.harness import SystemCrash
 from workbench.measure import load_prompts, paired_bench
@@ -35,7 +33,7 @@ class Attempt:
     ci95: list[float] | None = None
 
 
-def smoke_run(ws: Workspace, worktree: Path, label: str, commit_only: bool = True) -> tuple[bool, str]:
+def smoke_run(ws: Workspace, worktree: Path, label: str) -> tuple[bool, str]:
     """Start the worktree's system and generate a few tokens for one visible prompt."""
     prompts = load_prompts(ws)
     try:
@@ -44,16 +42,6 @@ def smoke_run(ws: Workspace, worktree: Path, label: str, commit_only: bool = Tru
     except SystemCrash as e:
         return False, f"{e.kind}: {e.reason}"
     return True, f"ok: {len(r.tokens)} tokens in {r.seconds:.2f} s on {prompts[0].id}"
-
-
-def _base_worktree(ws: Workspace, commit: str) -> Path:
-    wt = ws.worktree_path("_base")
-    if (wt / ".git").exists():
-        git.Repo(wt).git.checkout("--detach", "--force", commit)
-    else:
-        ws.repo.git.worktree("prune")
-        ws.repo.git.worktree("add", "--detach", str(wt), commit)
-    return wt
 
 
 def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float, ceiling: float, *,
@@ -91,7 +79,7 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     say(f"  {branch}: paired benchmark against the base")
     prompts = load_prompts(ws)
     try:
-        with run_system(ws, _base_worktree(ws, base), "base") as a, \
+        with run_system(ws, ws.detached_worktree("_base", base), "base") as a, \
                 run_system(ws, ws.worktree_path(branch), f"bench-{branch}") as c:
             res = paired_bench(a, c, prompts, ws.config.forcing_max_new_tokens)
     except SystemCrash as e:

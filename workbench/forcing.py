@@ -67,17 +67,6 @@ def run_system(ws: Workspace, worktree: Path, log_name: str) -> SystemProcess:
                          log_path=ws.state / "logs" / f"{log_name}-{time.strftime('%Y%m%d-%H%M%S')}.log")
 
 
-def _stock_worktree(ws: Workspace) -> Path:
-    wt = ws.worktree_path(STOCK_WORKTREE)
-    if wt.exists() and (wt / ".git").exists():
-        if ws.repo.git.execute(["git", "-C", str(wt), "rev-parse", "HEAD"]).strip() == ws.stock_commit:
-            return wt
-        ws.repo.git.worktree("remove", "--force", str(wt))
-    ws.repo.git.worktree("prune")
-    ws.repo.git.worktree("add", "--detach", str(wt), ws.stock_commit)
-    return wt
-
-
 def stock_reference(ws: Workspace, progress: bool = True) -> dict:
     """Stock's cached reference for this workspace (computed on first use)."""
     from decoder.models import load_tokenizer
@@ -93,7 +82,7 @@ def stock_reference(ws: Workspace, progress: bool = True) -> dict:
         return json.loads(path.read_text())
 
     rows = []
-    with run_system(ws, _stock_worktree(ws), "stock") as sp:
+    with run_system(ws, ws.detached_worktree(STOCK_WORKTREE, ws.stock_commit), "stock") as sp:
         for pid, split, ids in tqdm(prompts, desc="stock reference", disable=not progress, unit="prompt"):
             rows.append({"id": pid, "split": split, "prompt_ids": ids, "stock": sp.generate(ids, n).tokens})
     floor = _margins_and_noise(ws, rows)

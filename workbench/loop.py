@@ -108,25 +108,12 @@ class Loop:
         if self.minutes() > self.opts.budget_minutes:
             raise BudgetExhausted(f"budget of {self.opts.budget_minutes:g} min spent before {what}")
 
-    def _internal_worktree(self, name: str, commit: str) -> Path:
-        wt = self.ws.worktree_path(name)
-        if (wt / ".git").exists():
-            git.Repo(wt).git.checkout("--detach", "--force", commit)
-        else:
-            self.ws.repo.git.worktree("prune")
-            if wt.exists():
-                import shutil
-
-                shutil.rmtree(wt)
-            self.ws.repo.git.worktree("add", "--detach", str(wt), commit)
-        return wt
-
     def _ensure_refs(self) -> None:
         repo = self.ws.repo
         if BASE_BRANCH not in repo.heads:
             repo.create_head(BASE_BRANCH, self.ws.stock_commit)
         if AR_BRANCH not in repo.heads:
-            wt = self._internal_worktree("_ar", self.ws.stock_commit)
+            wt = self.ws.detached_worktree("_ar", self.ws.stock_commit)
             cfg = wt / self.ws.config.config_file
             text = cfg.read_text()
             if 'method = "ar"' not in text:
@@ -141,8 +128,8 @@ class Loop:
 
     def speedup_over_ar(self, commit: str, label: str) -> dict:
         """A paired benchmark of `commit` against the AR reference, on the visible prompts."""
-        ar_wt = self._internal_worktree("_ar", self.ws.rev(AR_BRANCH))
-        wt = self._internal_worktree("_measure", commit)
+        ar_wt = self.ws.detached_worktree("_ar", self.ws.rev(AR_BRANCH))
+        wt = self.ws.detached_worktree("_measure", commit)
         prompts = load_prompts(self.ws)
         n = self.ws.config.forcing_max_new_tokens
         with run_system(self.ws, ar_wt, "ar") as a, run_system(self.ws, wt, label) as b:
@@ -184,7 +171,7 @@ class Loop:
         from costmodel.model_profile import load_model_profile
         from decoder.config import DecodeConfig
 
-        wt = self._internal_worktree("_measure", commit)
+        wt = self.ws.detached_worktree("_measure", commit)
         prompts = load_prompts(self.ws)
         cfg = DecodeConfig.load(wt / self.ws.config.config_file)
         with run_system(self.ws, wt, "profile") as sp:
@@ -263,7 +250,7 @@ class Loop:
         def smoke() -> SmokeResult:
             from workbench.cascade import smoke_run
 
-            ok, msg = smoke_run(self.ws, self.ws.worktree_path(branch), branch, commit_only=False)
+            ok, msg = smoke_run(self.ws, self.ws.worktree_path(branch), branch)
             return SmokeResult(ok, msg)
 
         return smoke

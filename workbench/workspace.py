@@ -212,6 +212,18 @@ class Workspace:
         return self.memory.add_branch(round_id if round_id is not None else self.manual_round_id(), name,
                                       agent=agent, direction=direction, head_commit=base_sha, worktree_path=wt)
 
+    def detached_worktree(self, name: str, commit: str) -> Path:
+        """An internal worktree (stock, AR reference, base, measurements) checked out at `commit`."""
+        wt = self.worktree_path(name)
+        if (wt / ".git").exists():
+            git.Repo(wt).git.checkout("--detach", "--force", commit)
+            return wt
+        self.repo.git.worktree("prune")
+        if wt.exists():
+            shutil.rmtree(wt)
+        self.repo.git.worktree("add", "--detach", str(wt), commit)
+        return wt
+
     def reset_branch(self, name: str, base: str) -> Branch:
         """Start a branch over from `base` (an interrupted attempt resumed): same store row, fresh worktree."""
         b = self.branch(name)
