@@ -309,10 +309,7 @@ class Loop:
         if not dirs:
             self.say(f"round {index}: no direction left to explore")
         done = {a["branch"] for a in summary["attempts"]}
-        visible = [{"id": p.id, "text": None} for p in load_prompts(self.ws)]
-        vis_text = self._visible_texts()
-        for v in visible:
-            v["text"] = vis_text.get(v["id"], "")
+        visible = self.visible_prompts()
         agent = self.make_agent()
         base_ar = self.state.get("base_speedup_over_ar", 1.0)
         ceiling = self.state.get("ceiling") or self.ceiling()
@@ -360,9 +357,40 @@ class Loop:
         self._save_state()
         return summary
 
-    def _visible_texts(self) -> dict[str, str]:
+    def visible_prompts(self) -> list[dict]:
+        """The prompts agents may see ({"id", "text"}), as committed in stock; never the hidden split."""
         text = self.ws.repo.git.show(f"{STOCK_TAG}:prompts/visible.jsonl")
-        return {str(r["id"]): r["text"] for r in map(json.loads, filter(str.strip, text.splitlines()))}
+        return [{"id": str(r["id"]), "text": r["text"]} for r in map(json.loads, filter(str.strip, text.splitlines()))]
+
+    def run_agent(self, family: str, branch: str, gaps: dict | None = None) -> dict:
+        """One agent on one direction from the current base, then the cascade: a one-agent round outside
+        the round structure (the TUI's launch). Steering and stop reach it through `steering[branch]` and
+        `stops[branch]`, which may be set up before the call. Returns the attempt."""
+        agent = self.make_agent()  # first: a missing LLM endpoint is reported before anything runs
+        self._ensure_refs()
+        base = self.base_commit()
+        if gaps is None:
+            self.say(f"{branch}: profiling base {base[:10]} for the gap breakdown")
+            gaps = self.gaps(base)
+        bd = gaps["breakdown"]
+        agents, self.opts.agents = self.opts.agents, len(bd.get("families", {})) or 7
+        try:
+            d = next((x for x in self.directions(bd, set()) if x.family == family), None)
+        finally:
+            self.opts.agents = agents
+        if d is None:
+            ms = float(bd.get("families", {}).get(family, 0.0))
+            d = Direction(family, ms, f"{family}: {ms:.3f} ms/token (chosen by the engineer)")
+        self.ws.create_branch(branch, base=base, agent=agent.name, direction=family)
+        self.say(f"{branch}: {agent.name} agent launched on {family}", "tui.launch",
+                 {"branch": branch, "agent": agent.name, "direction": family})
+        res = self._run_agent(agent, branch, d, gaps, self.visible_prompts())
+        self.say(f"{branch}: agent: {res.message}", "loop.agent", {"branch": branch, "committed": res.committed})
+        ceiling = (self.state.get("ceiling") or self.ceiling()) if res.committed else 0.0
+        att = self._attempt(branch, d, agent.name, res, base, float(self.state.get("base_speedup_over_ar", 1.0)),
+                            ceiling)
+        att["base_commit"] = base
+        return att
 
     def _attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
                  ceiling: float) -> dict:

@@ -312,36 +312,10 @@ class Launch:
 
     def run(self) -> dict:
         """Profile (unless a round already did), run the agent, evaluate its commit; returns the attempt."""
-        from workbench.agents.base import Direction
-        from workbench.measure import load_prompts
-
         loop, ws = self.loop, self.ws
-        agent = loop.make_agent()  # first: a missing LLM endpoint is reported before anything runs
-        loop._ensure_refs()
-        base = loop.base_commit()
         found = latest_gaps(ws)
-        if found is None:
-            loop.say(f"{self.branch}: profiling base {base[:10]} for the gap breakdown")
-            gaps = loop.gaps(base)
-        else:
-            gaps = found[1]
-        bd = gaps["breakdown"]
-        loop.opts.agents = len(GAP_FAMILIES)
-        d = next((x for x in loop.directions(bd, set()) if x.family == self.family), None)
-        if d is None:
-            ms = float(bd.get("families", {}).get(self.family, 0.0))
-            d = Direction(self.family, ms, f"{self.family}: {ms:.3f} ms/token (chosen by the engineer)")
-        ws.create_branch(self.branch, base=base, agent=agent.name, direction=self.family)
-        loop.say(f"{self.branch}: {agent.name} agent launched on {self.family}", "tui.launch",
-                 {"branch": self.branch, "agent": agent.name, "direction": self.family})
-        texts = loop._visible_texts()
-        visible = [{"id": p.id, "text": texts.get(p.id, "")} for p in load_prompts(ws)]
-        res = loop._run_agent(agent, self.branch, d, gaps, visible)
-        loop.say(f"{self.branch}: agent: {res.message}", "loop.agent", {"branch": self.branch,
-                                                                        "committed": res.committed})
-        ceiling = (loop.state.get("ceiling") or loop.ceiling()) if res.committed else 0.0
-        base_ar = float(loop.state.get("base_speedup_over_ar", 1.0))
-        att = loop._attempt(self.branch, d, agent.name, res, base, base_ar, ceiling)
+        att = loop.run_agent(self.family, self.branch, gaps=None if found is None else found[1])
+        base = att["base_commit"]
         if att["status"] == "keep":  # a candidate for the engineer to accept or reject in the Memory tab
             from workbench.export import record_mechanism
 
