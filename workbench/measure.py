@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from workbench.harness import SystemProcess
 
@@ -151,7 +150,3 @@ def load_prompts(ws, which: str = "visible") -> list[Prompt]:
     tok = load_tokenizer(ws.config.tokenizer)
     return [Prompt(pid, tok(text, add_special_tokens=False)["input_ids"])
             for pid, split, text in forcing_prompt_texts(ws) if split == which]
-
-
-def worktree_exists(path: Path) -> bool:
-    return (path / ".git").exists()

@@ -130,7 +130,6 @@ class TunerAgent:
         history: list[dict] = []
         base_c = Candidate({}, "current", base)
         with run_system(self.ws, wt, f"tuner-{ctx.branch}") as sp:
-            base_tps = 0.0
             ratio = 0.0
             transferred = self._from_memory(sp, base, [c for c in cands if c.source.startswith("memory:")],
                                             prompts, limit, ref, threshold, history)
