@@ -120,8 +120,9 @@ class TunerAgent:
         if not cands:
             return AgentResult(False, f"no registered mechanism for {ctx.direction.family} applies on "
                                       f"{base.device} beyond the current config")
-        ref = {p["id"]: p for p in stock_reference(self.ws, progress=False)["prompts"] if p["split"] == "visible"}
-        threshold = 2 * float(stock_reference(self.ws, progress=False)["noise_floor"])
+        stock = stock_reference(self.ws, progress=False)  # tokenizes every prompt and reads the cache: once
+        ref = {p["id"]: p for p in stock["prompts"] if p["split"] == "visible"}
+        threshold = 2 * float(stock["noise_floor"])
         prompts = [p for p in load_prompts(self.ws) if p.id in ref]
         limit = self.ws.config.forcing_max_new_tokens
         ctx.log("tuner.start", f"{len(cands)} candidate configs for {ctx.direction.family}",
