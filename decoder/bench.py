@@ -41,8 +41,12 @@ W12_METHODS = ("ar-w12", "sd-draft-model-w12", "sd-ngram-w12")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
+# Mechanisms block-drafter, mtp-heads and domain-routing (decoder/featdraft.py): drafters that read the
+# target's hidden states, on the lean forward; their speedup_vs_ar is against ar-lean. They need the
+# target's trained feature drafters (TARGET/drafters or --drafters); the default set skips them without.
+FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-routed")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
-ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_METHODS
+ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = ALL_METHODS + W12_METHODS
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "hf-assisted-draft-model",
                        *TREE_METHODS)
@@ -50,7 +54,7 @@ VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12"}
 
 
 def _baseline(name: str) -> str:
-    if name in TREE_METHODS:
+    if name in TREE_METHODS + FEATURE_METHODS:
         return "ar-lean"
     return VARIANT_BASELINE.get(name.rsplit("-", 1)[-1], "ar")
 
@@ -75,6 +79,19 @@ class TreeSettings:
         widths = parse_tree_shape(self.tree_shape)
         tree = 1 + (static_tree_nodes(widths) if widths else self.tree_budget)
         return (tree, self.two_level_draft_len + 1, self.dcut_max_len + 1)
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """Bench settings of sd-block, sd-mtp and sd-routed (defaults: the best measured on the demo, README)."""
+
+    block_draft_len: int = 8
+    mtp_draft_len: int = 4
+    route_code: str = "block"
+    route_prose: str = "mtp"
+    drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
+
+
 REFERENCE = "hf-greedy"
 
 
@@ -151,7 +168,10 @@ class Bench:
     """Holds the models and runs each method on a prompt."""
 
     def __init__(self, target, drafter, eos_id: int, cfg: DecodeConfig, ngram_draft_len: int,
-                 hf_prompt_lookup_tokens: int = 10, tree: TreeSettings | None = None) -> None:
+                 hf_prompt_lookup_tokens: int = 10, tree: TreeSettings | None = None,
+                 feature: FeatureSettings | None = None, heads=None) -> None:
+        self.feature = feature or FeatureSettings()
+        self.heads = heads
         self.target = target
         self.drafter = drafter
         self.eos_id = eos_id
@@ -174,7 +194,7 @@ class Bench:
 
     def methods(self, names: tuple[str, ...]) -> dict[str, Callable[[list[int]], tuple[list[int], DecodeStats]]]:
         lean_target = lean_drafter = None
-        if any(n in LEAN_METHODS + TREE_METHODS for n in names):
+        if any(n in LEAN_METHODS + TREE_METHODS + FEATURE_METHODS for n in names):
             from decoder.lean import LeanLM
 
             lean_target = LeanLM(self.target)
@@ -200,6 +220,9 @@ class Bench:
             "sd-tree": lambda p: self._sd_tree(p, "sd-tree", lean_target, lean_drafter),
             "sd-two-level": lambda p: self._sd_tree(p, "sd-two-level", lean_target, lean_drafter),
             "sd-dcut": lambda p: self._sd_tree(p, "sd-dcut", lean_target, lean_drafter),
+            "sd-block": lambda p: self._sd_feature(p, "block", lean_target),
+            "sd-mtp": lambda p: self._sd_feature(p, "mtp", lean_target),
+            "sd-routed": lambda p: self._sd_routed(p, lean_target, lean_drafter),
             "hf-greedy": lambda p: self._hf(p, {}),
             "hf-assisted-draft-model": lambda p: self._hf(p, {"assistant_model": self.drafter}),
             "hf-prompt-lookup": lambda p: self._hf(p, {"prompt_lookup_num_tokens": self.hf_prompt_lookup_tokens}),
@@ -226,6 +249,30 @@ class Bench:
         else:
             g = speculative_generate(target, DCutDrafter(drafter, c.dcut_threshold), prompt, c)
         return g.tokens, g.stats
+
+    def _sd_feature(self, prompt: list[int], kind: str, target) -> tuple[list[int], DecodeStats]:
+        from decoder.featdraft import feature_generate
+
+        k = self.feature.block_draft_len if kind == "block" else self.feature.mtp_draft_len
+        g = feature_generate(target, self.heads.state(kind, target), prompt, self.cfg.max_new_tokens, k, self.eos_id,
+                             self.cfg.stop_at_eos)
+        return g.tokens, g.stats
+
+    def _sd_routed(self, prompt: list[int], target, drafter) -> tuple[list[int], DecodeStats]:
+        """The router picks the drafter per request; its time is part of the request's time."""
+        t0 = time.perf_counter()
+        domain = self.heads.router().route(prompt)
+        route_s = time.perf_counter() - t0
+        chosen = self.feature.route_code if domain == "code" else self.feature.route_prose
+        if chosen in ("block", "mtp"):
+            out, stats = self._sd_feature(prompt, chosen, target)
+        elif chosen == "draft-model":
+            out, stats = self._sd_draft(prompt, target, drafter)
+        else:
+            out, stats = self._sd_ngram(prompt, target)
+        stats.routes[f"{domain}:{chosen}"] += 1
+        stats.route_s += route_s
+        return out, stats
 
     def _sd_ngram(self, prompt: list[int], target) -> tuple[list[int], DecodeStats]:
         c = self.ngram_cfg
@@ -308,6 +355,7 @@ def run_bench(
     draft_len: int = 3, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
     dtype: str = "bfloat16", device: str = "cpu",
     limit: int | None = None, noise_prompts: int = 4, progress: bool = True, tree: TreeSettings | None = None,
+    feature: FeatureSettings | None = None,
 ) -> dict:
     """Run every method on every prompt; return the JSON report (see the issue's contract)."""
     if max_new_tokens < 1:
@@ -317,7 +365,9 @@ def run_bench(
         raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
     if REFERENCE not in methods:
         methods = (REFERENCE, *methods)  # the reference every output is checked against
-    needs_drafter = any(m in DRAFT_MODEL_METHODS for m in methods)
+    feature = feature or FeatureSettings()
+    needs_drafter = any(m in DRAFT_MODEL_METHODS for m in methods) or (
+        "sd-routed" in methods and "draft-model" in (feature.route_code, feature.route_prose))
     if needs_drafter and drafter_dir is None:
         raise BenchError(f"{', '.join(DRAFT_MODEL_METHODS)} need --drafter DIR (or drop them with --methods)")
     prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
@@ -332,7 +382,22 @@ def run_bench(
     cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
                        ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype, device=device)
     tree = tree or TreeSettings()
-    bench = Bench(target, drafter, eos, cfg, ngram_draft_len, tree=tree)
+    heads = None
+    if any(m in FEATURE_METHODS for m in methods):
+        from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
+
+        root = Path(feature.drafters) if feature.drafters else drafters_dir(target_dir)
+        heads = FeatureHeads(root, target.config, target.dtype, target.device)
+        try:  # load now: a missing drafter is a usage error, not a crash mid-bench
+            wanted = {m.removeprefix("sd-") for m in methods if m in ("sd-block", "sd-mtp")}
+            if "sd-routed" in methods:
+                wanted |= {r for r in (feature.route_code, feature.route_prose) if r in ("block", "mtp")}
+                heads.router()
+            for kind in sorted(wanted):
+                heads.model(kind)
+        except FeatureDrafterError as e:
+            raise BenchError(f"{e} (or drop {', '.join(FEATURE_METHODS)} with --methods)") from e
+    bench = Bench(target, drafter, eos, cfg, ngram_draft_len, tree=tree, feature=feature, heads=heads)
     runners = bench.methods(methods)
     encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
     dev = torch.device(device)
@@ -363,6 +428,8 @@ def run_bench(
     k_widths = {draft_len + 1, ngram_draft_len + 1}
     if any(m in TREE_METHODS for m in methods):
         k_widths |= set(tree.verify_widths())
+    if any(m in FEATURE_METHODS for m in methods):
+        k_widths |= {feature.block_draft_len + 1, feature.mtp_draft_len + 1}
     k_widths = tuple(sorted(k_widths))
     pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference[:noise_prompts], strict=True)]
     floor = noise_floor(target, pairs,
@@ -400,7 +467,7 @@ def run_bench(
             "target_forwards_per_token": round(res.stats.target_forwards / max(1, res.tokens), 4),
             "divergences": divergences,
         }
-        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry["target_tokens_per_token"] = round(res.stats.target_tokens / max(1, res.tokens), 4)
             entry["drafter_forwards_per_token"] = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
@@ -408,6 +475,19 @@ def run_bench(
             entry["accept_hist"] = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
             entry["phase_ms_per_token"] = {k: round(1000 * v / max(1, res.tokens), 4)
                                            for k, v in res.stats.phase_s.items()}
+            # Drafting time per verify step (the drafter's calls, and for feature drafters their context update).
+            entry["draft_ms_per_step"] = (round(1000 * res.stats.phase_s.get("draft", 0.0) / res.stats.draft_steps, 4)
+                                          if res.stats.draft_steps else None)
+            if name in FEATURE_METHODS:
+                entry["draft_len"] = (feature.block_draft_len if name == "sd-block" else
+                                      feature.mtp_draft_len if name == "sd-mtp" else None)
+                if name == "sd-routed":
+                    entry["routes"] = dict(sorted(res.stats.routes.items()))
+                    entry["route_us_per_request"] = round(1e6 * res.stats.route_s / max(1, len(res.outputs)), 2)
+                    entry["mechanism_config"] = {"drafter": "routed", "route_code": feature.route_code,
+                                                 "route_prose": feature.route_prose}
+                report_methods.append(entry)
+                continue
             entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
                                   ngram_draft_len if name.startswith("sd-ngram") else
                                   bench.tree_cfgs[name].draft_len if name in ("sd-two-level", "sd-dcut") else None)
@@ -435,7 +515,8 @@ def run_bench(
         "drafter": str(drafter_dir) if drafter_dir else None,
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
                    "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens,
-                   **({"tree": asdict(tree)} if any(m in TREE_METHODS for m in methods) else {})},
+                   **({"tree": asdict(tree)} if any(m in TREE_METHODS for m in methods) else {}),
+                   **({"feature": asdict(feature)} if any(m in FEATURE_METHODS for m in methods) else {})},
         "torch": torch.__version__,
         **({"w12": bench.w12_footprint} if bench.w12_footprint else {}),
     }
@@ -464,14 +545,21 @@ def format_table(report: dict) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     for variant, base in VARIANT_BASELINE.items():
         if any(m.get("ar_baseline") == base for m in report["methods"]):
-            extra = ", sd-tree, sd-two-level, sd-dcut" if variant == "lean" and any(
-                m["name"] in TREE_METHODS for m in report["methods"]) else ""
+            extra = "".join(f", {m['name']}" for m in report["methods"]
+                            if variant == "lean" and m["name"] in TREE_METHODS + FEATURE_METHODS)
             lines.append(f"vs AR of *-{variant}{extra} methods is against {base} (speculation's gain alone)")
     tree = report.get("config", {}).get("tree")
     if tree:
         lines.append("sd-tree: shape {tree_shape}, top-k {tree_topk}, depth {tree_depth}, budget {tree_budget}; "
                      "sd-two-level: k {two_level_draft_len}, alternatives {two_level_alts}; "
                      "sd-dcut: threshold {dcut_threshold}, max k {dcut_max_len}".format(**tree))
+    feat = report.get("config", {}).get("feature")
+    if feat:
+        routed = next((m for m in report["methods"] if m["name"] == "sd-routed"), None)
+        lines.append("sd-block: k {block_draft_len}; sd-mtp: k {mtp_draft_len}; sd-routed: code -> {route_code}, "
+                     "prose -> {route_prose}".format(**feat) +
+                     (f"; routed {routed['routes']} at {routed['route_us_per_request']:.0f} us per request"
+                      if routed else ""))
     lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
     lines.append("all methods lossless (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")

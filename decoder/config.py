@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 METHODS = ("ar", "sd")
-DRAFTERS = ("draft-model", "ngram")
+DRAFTERS = ("draft-model", "ngram", "block", "mtp", "routed")
+FEATURE_DRAFTERS = ("block", "mtp", "routed")  # read the target's hidden states (decoder/featdraft.py)
+ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router may pick
 DTYPES = ("bfloat16", "float32", "float16")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
@@ -71,6 +73,9 @@ class DecodeConfig:
     two_level_alts: int = 2  # two-level: drafter alternatives held per chain position (chain length = draft_len)
     dcut: bool = False  # cut the draft where the product of drafter top-1 probs < dcut_threshold (cap draft_len)
     dcut_threshold: float = 0.3
+    # Mechanism domain-routing (drafter = "routed"): the drafter each domain's requests get.
+    route_code: str = "block"
+    route_prose: str = "mtp"
     dtype: str = "bfloat16"
     device: str = "cpu"
 
@@ -136,6 +141,17 @@ class DecodeConfig:
                 raise bad("dcut", "D-cut reads the draft model's probabilities; set drafter = 'draft-model'")
             if self.verify != "chain":
                 raise bad("dcut", "D-cut cuts a chain draft; use verify = 'chain' (trees already expand by confidence)")
+        for key in ("route_code", "route_prose"):
+            if getattr(self, key) not in ROUTABLE:
+                raise bad(key, f"choose one of {', '.join(ROUTABLE)}")
+        if self.drafter in FEATURE_DRAFTERS and self.method == "sd":
+            needs = {"lean_forward": True, "cuda_graphs": False, "temperature": 0.0, "verify": "chain",
+                     "dcut": False}
+            for key, want in needs.items():
+                if getattr(self, key) != want:
+                    raise bad("drafter", f"the {self.drafter} drafter reads the target's hidden states from the "
+                                         f"lean forward and verifies greedily: it needs {key} = {want!r}; set it "
+                                         f"or choose drafter = 'draft-model'")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
 

@@ -7,6 +7,7 @@ causal cache entry depends only on the tokens before it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -169,9 +170,26 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
 _LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {cuda_graphs: lean runner}
 
 
-def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False
-             ) -> Generation:
-    """Dispatch on cfg.method: the AR baseline or speculative decoding with cfg.drafter."""
+def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False,
+             heads=None) -> Generation:
+    """Dispatch on cfg.method: the AR baseline or speculative decoding with cfg.drafter.
+
+    `heads` (decoder.featdraft.FeatureHeads) holds the target's block drafter, MTP heads and router,
+    needed for drafter = block, mtp or routed.
+    """
+    if cfg.method == "sd" and cfg.drafter == "routed":
+        if heads is None:
+            raise ValueError("drafter = 'routed' needs the target's router (FeatureHeads); serve loads it from "
+                             "<target>/drafters")
+        t0 = time.perf_counter()
+        domain = heads.router().route(prompt)
+        chosen = cfg.route_code if domain == "code" else cfg.route_prose
+        route_s = time.perf_counter() - t0
+        g = generate(dataclasses.replace(cfg, drafter=chosen), target, prompt, drafter_model, profile_sync, heads)
+        g.stats.routes[f"{domain}:{chosen}"] += 1
+        g.stats.route_s += route_s
+        g.stats.wall_s += route_s
+        return g
     if cfg.weight_format == "w12" and not getattr(target, "_specpilot_w12", False):
         from decoder.w12 import apply_w12
 
@@ -198,6 +216,15 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
             raise ValueError(f"verify = {cfg.verify!r} needs a draft model; pass --drafter DIR")
         loop = tree_generate if cfg.verify == "tree" else two_level_generate
         return loop(target, drafter_model, prompt, cfg, profile_sync)
+    if cfg.drafter in ("block", "mtp"):  # validate() guarantees the lean forward and greedy chain verify
+        if heads is None:
+            raise ValueError(f"drafter = {cfg.drafter!r} needs the target's feature drafters (FeatureHeads); "
+                             f"serve loads them from <target>/drafters")
+        from decoder.featdraft import feature_generate
+
+        eos = _eos_id(target)
+        return feature_generate(target, heads.state(cfg.drafter, target), prompt, cfg.max_new_tokens,
+                                cfg.draft_len, eos, cfg.stop_at_eos, profile_sync)
     device = as_runner(target).device
     drafter = make_drafter(cfg, drafter_model, device)
     return speculative_generate(target, drafter, prompt, cfg, profile_sync=profile_sync)

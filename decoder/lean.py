@@ -111,8 +111,13 @@ class LeanLM:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False,
-                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                capture: tuple[int, ...] | None = None):
         """Append `ids` [q] at positions cache.length.. and return their logits [q, V] (or [1, V]).
+
+        With `capture` (layer indices), it returns (logits, hidden [q, len(capture) * D]): the residual
+        stream after each listed layer, concatenated (the feature drafters' context, decoder/featdraft.py);
+        the last layer's entry is the final hidden state before the norm. `last_only` trims logits only.
 
         Tree verification passes its own `positions` [q] (RoPE position of each node: its depth after
         the prefix) and `attn_mask` [q, cache.length + q] (True = may attend: the prefix and the node's
@@ -129,6 +134,7 @@ class LeanLM:
         else:
             cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         x = F.embedding(ids, self.embed)  # [q, D]
+        hidden: list[torch.Tensor] = []
         mask = attn_mask
         if mask is None and q > 1:  # block-causal: new token i sees the cache and new tokens 0..i
             mask = torch.ones(q, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
@@ -149,7 +155,12 @@ class LeanLM:
             h = self._rms(x, ln2)
             gu = F.linear(h, wgu)  # [q, 2I]
             x = x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], wdown)
+            if capture is not None and li in capture:
+                hidden.append(x)
         cache.length = end
+        if capture is not None:
+            logits = F.linear(self._rms(x[-1:] if last_only else x, self.final_norm), self.lm_head)
+            return logits, torch.cat(hidden, dim=-1)
         if last_only:
             x = x[-1:]
         return F.linear(self._rms(x, self.final_norm), self.lm_head)  # [q|1, V]

@@ -126,6 +126,38 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "threshold; under batching a verify budget ranked by that product (decoder/dcut.py)",
         requires={"method": "sd", "drafter": "draft-model", "verify": "chain"},
     ),
+    Mechanism(
+        name="block-drafter", family="drafting",
+        keys={"drafter": ("block",), "draft_len": tuple(range(2, 17))},
+        stock={"drafter": "draft-model"},
+        applies="the target has a trained block drafter (TARGET/drafters/block): long drafts where a draft "
+                "model's per-token forwards cost too much (code, maths)",
+        summary="parallel block drafter on the target's hidden states (DFlash-style): k tokens in one "
+                "non-causal drafter forward, context KV of accepted positions only (decoder/featdraft.py)",
+        requires={"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
+                  "temperature": 0.0},
+    ),
+    Mechanism(
+        name="mtp-heads", family="drafting",
+        keys={"drafter": ("mtp",), "draft_len": (1, 2, 3, 4)},
+        stock={"drafter": "draft-model"},
+        applies="the target has trained MTP heads (TARGET/drafters/mtp): chat-like prose, short confident drafts",
+        summary="k light residual heads on the target's final hidden state and next token, one batched "
+                "matmul per step; no drafter model or cache at all (decoder/featdraft.py)",
+        requires={"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
+                  "temperature": 0.0},
+    ),
+    Mechanism(
+        name="domain-routing", family="drafting",
+        keys={"drafter": ("routed",), "route_code": ("block", "mtp", "draft-model", "ngram"),
+              "route_prose": ("mtp", "block", "draft-model", "ngram"), "draft_len": (3, 4, 6, 8)},
+        stock={"drafter": "draft-model"},
+        applies="mixed traffic (code and prose) where different domains want different drafters; the target "
+                "has a router (TARGET/drafters/router.json)",
+        summary="a bag-of-tokens code/prose router (~20 us) picks the drafter per request",
+        requires={"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
+                  "temperature": 0.0},
+    ),
 )}
 
 

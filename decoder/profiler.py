@@ -26,6 +26,8 @@ class DecodeStats:
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify step -> count
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     wall_s: float = 0.0
+    routes: Counter = field(default_factory=Counter)  # domain routing: domain:drafter -> requests
+    route_s: float = 0.0  # time the router took
 
     @property
     def tau(self) -> float:
@@ -49,6 +51,8 @@ class DecodeStats:
         for k, v in other.phase_s.items():
             self.phase_s[k] = self.phase_s.get(k, 0.0) + v
         self.wall_s += other.wall_s
+        self.routes.update(other.routes)
+        self.route_s += other.route_s
 
     def as_dict(self) -> dict:
         return {
@@ -64,6 +68,7 @@ class DecodeStats:
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
             "phase_s": {k: round(v, 6) for k, v in self.phase_s.items()},
             "wall_s": round(self.wall_s, 6),
+            **({"routes": dict(self.routes), "route_s": round(self.route_s, 6)} if self.routes else {}),
         }
 
 

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, type=Path, help="local Hugging Face directory of the target")
     p.add_argument("--drafter", type=Path, default=None, help="local directory of the draft model (sd only)")
     p.add_argument("--config", type=Path, default=None, help="DecodeConfig TOML (the editable mechanism config)")
+    p.add_argument("--drafters", type=Path, default=None,
+                   help="the target's feature drafters and router (drafter = block, mtp, routed; loaded on first "
+                        "use); default: TARGET/drafters")
     args = p.parse_args(argv)
 
     # Keep the protocol channel to ourselves: print() and library chatter go to stderr.
@@ -62,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     elif cfg.method == "sd" and cfg.drafter == "draft-model":
         print("serve: config uses the draft-model drafter but no --drafter was given", file=sys.stderr)
         return 2
+    from decoder.featdraft import FeatureHeads, drafters_dir
+    from decoder.models import torch_dtype
+
+    heads = FeatureHeads(args.drafters or drafters_dir(args.target), target.config, torch_dtype(cfg.dtype),
+                         next(target.parameters()).device)
     _answer(proto, {"ready": True, "config": cfg.as_dict()})
 
     for line in sys.stdin:
@@ -85,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if rcfg.method == "sd" and rcfg.drafter == "draft-model" and drafter is None:
                 raise ConfigError("the draft-model drafter needs --drafter at start-up")
-            gen = generate(rcfg, target, prompt, drafter)
+            gen = generate(rcfg, target, prompt, drafter, heads=heads)
             ans = {"id": rid, "tokens": gen.tokens}
             if req.get("profile"):
                 st = gen.stats
                 ans["stats"] = {"phase_s": st.phase_s, "target_forwards": st.target_forwards,
                                 "new_tokens": st.new_tokens, "drafted": st.drafted, "accepted": st.accepted,
-                                "draft_steps": st.draft_steps, "wall_s": st.wall_s}
+                                "draft_steps": st.draft_steps, "wall_s": st.wall_s,
+                                **({"routes": dict(st.routes)} if st.routes else {})}
             _answer(proto, ans)
         except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
             _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})

@@ -26,13 +26,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from decoder.bench import (
         ALL_METHODS,
         DRAFT_MODEL_METHODS,
+        FEATURE_METHODS,
         BenchError,
+        FeatureSettings,
         TreeSettings,
         bench_deployment,
         format_table,
         run_bench,
     )
-    from decoder.config import ConfigError
+    from decoder.config import ConfigError, DecodeConfig
     from decoder.models import ModelLoadError, demo_deployment
 
     _quiet_transformers()
@@ -50,12 +52,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ALL_METHODS
         if drafter is None and not args.methods:
             methods = tuple(m for m in methods if m not in DRAFT_MODEL_METHODS)
+        feature = FeatureSettings(**{f: getattr(args, f) for f in FeatureSettings.__dataclass_fields__
+                                     if getattr(args, f, None) is not None})
+        DecodeConfig(lean_forward=True, drafter="routed", route_code=feature.route_code,
+                     route_prose=feature.route_prose)  # names a bad route the way a config file would
+        if not args.methods and not (Path(feature.drafters) if feature.drafters else target / "drafters").is_dir():
+            methods = tuple(m for m in methods if m not in FEATURE_METHODS)
         report = run_bench(
             target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
             methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max,
             ngram_min=args.ngram_min, dtype=args.dtype,
             device=args.device, limit=args.limit, progress=not args.quiet,
-            tree=_tree_settings(args, TreeSettings),
+            tree=_tree_settings(args, TreeSettings), feature=feature,
         )
     except (BenchError, ModelLoadError, ConfigError) as e:
         return fail(str(e))
@@ -102,9 +110,59 @@ def _tree_settings(args: argparse.Namespace, cls):
     return settings
 
 
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir
+    from decoder.train_drafter import DrafterSpec, train_feature_drafter, train_router
+
+    if args.kind is None:
+        return fail("train drafter: --kind is required (block, mtp or router)")
+    target = Path(args.target) if args.target else DEMO_DIR / "target"
+    try:
+        check_model_dir(target, "target")
+    except ModelLoadError as e:
+        return fail(str(e))
+    if args.kind == "router":
+        print(json.dumps(train_router(target, Path(args.out) if args.out else None, seed=args.seed)))
+        return 0
+    spec = DrafterSpec(kind=args.kind, seed=args.seed)
+    for key in ("steps", "train_sequences", "batch_size", "block_size", "num_layers", "lr"):
+        v = getattr(args, key)
+        if v is not None:
+            if v <= 0:
+                return fail(f"train drafter: --{key.replace('_', '-')} {v} must be positive")
+            setattr(spec, key, v)
+    if args.heads is not None:
+        if not 1 <= args.heads <= 16:
+            return fail(f"train drafter: --heads {args.heads}: use 1 to 16")
+        spec.num_heads_mtp = args.heads
+    if args.target_layers:
+        try:
+            spec.target_layers = tuple(int(x) for x in args.target_layers.split(","))
+        except ValueError:
+            return fail(f"train drafter: --target-layers {args.target_layers!r}: use comma-separated layer "
+                        f"indices, e.g. 1,3,5")
+    work = Path(args.work_dir) if args.work_dir else Path("build/train-drafter")
+    out = Path(args.out) if args.out else None
+    if args.force:
+        import shutil
+
+        (work / f"{spec.kind}-s{spec.seed}.ckpt.pt").unlink(missing_ok=True)
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+    try:
+        recipe = train_feature_drafter(target, out, work, spec)
+    except ValueError as e:
+        return fail(str(e))
+    print(json.dumps({"kind": spec.kind, "parameters": recipe["parameters"], "train_seconds": recipe["train_seconds"],
+                      "data_seconds": recipe["data_seconds"], "val": recipe["val"]}))
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.what == "drafter":
+        return _cmd_train_drafter(args)
     if args.what != "demo":
-        return fail(f"train {args.what}: unknown; available: demo")
+        return fail(f"train {args.what}: unknown; available: demo, drafter")
     from decoder.models import DEMO_DIR
     from decoder.train import train_demo
 
@@ -142,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix the n-gram drafter matches")
     b.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix it accepts")
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
+    b.add_argument("--block-draft-len", type=positive_int, help="sd-block: tokens drafted per block (default 8)")
+    b.add_argument("--mtp-draft-len", type=positive_int, help="sd-mtp: tokens drafted by the heads (default 4)")
+    b.add_argument("--route-code", help="sd-routed: drafter for code prompts (block, mtp, draft-model, ngram)")
+    b.add_argument("--route-prose", help="sd-routed: drafter for prose prompts (default mtp)")
+    b.add_argument("--drafters", help="the target's feature drafters directory (default TARGET/drafters)")
     b.add_argument("--tree-shape", help="sd-tree: 'dynamic' or children per depth, e.g. 4,2,1,1")
     b.add_argument("--tree-topk", type=positive_int, help="sd-tree (dynamic): nodes expanded per depth, children each")
     b.add_argument("--tree-depth", type=positive_int, help="sd-tree (dynamic): depth")
@@ -179,9 +242,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_w12_parser(sub)  # `w12 stats`
 
     t = sub.add_parser("train", help="train models by the project's own recipes")
-    t.add_argument("what", help="demo: tokenizer, target and draft model of the embedded demo")
-    t.add_argument("--out", help="output root (default: the package's demo assets)")
-    t.add_argument("--work-dir", help="checkpoints and token cache (default: build/train-demo)")
+    t.add_argument("what", choices=("demo", "drafter"),
+                   help="demo: tokenizer, target and draft model of the embedded demo; drafter: a block "
+                        "drafter, MTP heads or the domain router for a target (self-distilled)")
+    t.add_argument("--out", help="output (demo: root, default the package's demo assets; drafter: its "
+                                 "directory, default TARGET/drafters/KIND, router: TARGET/drafters/router.json)")
+    t.add_argument("--work-dir", help="checkpoints and caches (default: build/train-demo, build/train-drafter)")
+    t.add_argument("--kind", choices=("block", "mtp", "router"), help="drafter: what to train")
+    t.add_argument("--target", help="drafter: the target's local model directory (default: the demo target)")
+    t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
+    t.add_argument("--steps", type=int, help="drafter: optimiser steps (default 2500)")
+    t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096)")
+    t.add_argument("--batch-size", type=int, help="drafter: sequences per step (default 16)")
+    t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
+    t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1)")
+    t.add_argument("--heads", type=int, help="mtp: number of heads (default 4)")
+    t.add_argument("--lr", type=float, help="drafter: peak learning rate")
+    t.add_argument("--target-layers", help="drafter: target layers to read, e.g. 1,3,5 (default: spread, ending last)")
     t.add_argument("--only", choices=("target", "drafter"), help="run one stage")
     t.add_argument("--force", action="store_true", help="retrain even if the outputs exist")
     t.set_defaults(func=_cmd_train)

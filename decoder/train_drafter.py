@@ -1,0 +1,467 @@
+"""`specpilot train drafter`: self-distilled feature drafters (block, mtp) and the domain router.
+
+Recipe (each stage resumable; every result written atomically and skipped when present):
+1. **Greedy data.** Windows of the training corpus (the target's own tokenizer; code and prose, prose
+   up-weighted as for the demo target) are continued by the target itself, greedily, in batches:
+   the drafter learns to predict what the target will say, not what the corpus said. Shards of
+   sequences are written one by one, so a killed run keeps the finished shards.
+2. **Features.** One teacher-forced target forward per shard captures the residual stream after
+   the drafter's target layers (hooks on the Hugging Face layers: the same tensors the lean forward's
+   `capture` returns at decode time), stored as bf16 memory maps.
+3. **Training.** AdamW with warm-up and cosine decay, bf16 autocast on the CPU; the target's
+   embedding and LM head are frozen and shared. The batch at step s is a pure function of (seed, s)
+   and a checkpoint (weights, optimiser, step, log) is written every few steps, so a resumed run
+   ends with exactly the weights of an uninterrupted one.
+   - block: blocks of `block_size` slots at random anchors inside the continuation; each block sees
+     only the context before its anchor; loss = CE per slot, slot j weighted exp(-(j-1)/decay).
+   - mtp: at random continuation positions p, head j predicts token p+1+j from h_p and token p+1.
+4. **Evaluation** on held-out sequences from the validation split: per-slot top-1 accuracy and the
+   expected tokens per step of chain verification (1 + mean accepted prefix), written to recipe.json.
+
+The router (`--kind router`) is a logistic regression on bag-of-token prompts of the training split
+(code vs prose), evaluated on the validation split and on the held-out prompt sets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from decoder.featdraft import (
+    BlockDrafter,
+    BlockDrafterConfig,
+    DomainRouter,
+    MTPConfig,
+    MTPHeads,
+    drafters_dir,
+    save_feature_drafter,
+)
+
+
+@dataclass
+class DrafterSpec:
+    """Everything that determines a trained feature drafter (written beside its weights)."""
+
+    kind: str = "block"  # block | mtp
+    seed: int = 0
+    # data
+    train_sequences: int = 4096
+    val_sequences: int = 128
+    prefix_len: int = 256
+    gen_len: int = 128
+    shard_size: int = 128
+    prose_upweight: int = 3
+    # model
+    target_layers: tuple[int, ...] | None = None  # None: three layers spread over the target, ending at the last
+    num_layers: int = 1
+    intermediate: int = 1024
+    block_size: int = 8
+    num_heads_mtp: int = 4
+    # optimisation
+    steps: int = 2500
+    batch_size: int = 16
+    anchors_per_seq: int = 16  # block: blocks per sequence per step; mtp: positions per sequence per step
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    slot_decay: float = 6.0  # block: CE weight of slot j is exp(-(j-1)/slot_decay)
+    checkpoint_every: int = 50
+
+
+def default_layers(n_layers: int) -> tuple[int, ...]:
+    if n_layers <= 2:
+        return tuple(range(n_layers))
+    return (1, n_layers // 2 + (n_layers % 2), n_layers - 1) if n_layers >= 4 else (0, 1, n_layers - 1)
+
+
+def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def corpus_streams(target_dir: Path, cache_dir: Path, prose_upweight: int) -> dict[str, np.ndarray]:
+    """The corpus's train / val token streams under the target's tokenizer (cached)."""
+    from decoder.corpus import all_documents
+    from decoder.train import tokenize_corpus
+
+    return tokenize_corpus(all_documents(), target_dir, cache_dir, prose_upweight)
+
+
+@torch.inference_mode()
+def greedy_continue(target, prefixes: torch.Tensor, gen_len: int) -> torch.Tensor:
+    """Greedy continuations [B, gen_len] of equal-length prefixes [B, P] (batched, KV cache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=prefixes, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1)
+    gen = [nxt]
+    for _ in range(gen_len - 1):
+        out = target(input_ids=nxt[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1)
+        gen.append(nxt)
+    return torch.stack(gen, dim=1)
+
+
+@torch.inference_mode()
+def capture_features(target, seqs: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+    """The residual stream after each of `layers` for every position: [B, T, len(layers) * D]."""
+    got: dict[int, torch.Tensor] = {}
+    hooks = []
+    for li in layers:
+        def hook(_m, _inp, out, li=li):
+            got[li] = out[0] if isinstance(out, tuple) else out
+        hooks.append(target.model.layers[li].register_forward_hook(hook))
+    try:
+        target.model(input_ids=seqs, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([got[li] for li in layers], dim=-1)
+
+
+def build_data(target, target_dir: Path, work: Path, spec: DrafterSpec, layers: tuple[int, ...]) -> dict:
+    """Stage 1-2: greedy sequences and their features, shard by shard (resumable). Returns memmaps."""
+    streams = corpus_streams(target_dir, work / "tokens", spec.prose_upweight)
+    t_len = spec.prefix_len + spec.gen_len
+    lay = "-".join(map(str, layers))
+    ddir = work / f"data-p{spec.prefix_len}-g{spec.gen_len}-s{spec.seed}-l{lay}"
+    ddir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, list] = {"train": [], "val": []}
+    plan = [("train", i) for i in range(math.ceil(spec.train_sequences / spec.shard_size))] + \
+           [("val", i) for i in range(math.ceil(spec.val_sequences / spec.shard_size))]
+    todo = [p for p in plan if not (ddir / f"{p[0]}-{p[1]:03d}.feat.npy").exists()]
+    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="greedy data + features (shards)",
+               file=sys.stderr, dynamic_ncols=True)
+    for split, i in plan:
+        seq_path, feat_path = ddir / f"{split}-{i:03d}.seq.npy", ddir / f"{split}-{i:03d}.feat.npy"
+        if not feat_path.exists():
+            total = spec.train_sequences if split == "train" else spec.val_sequences
+            n = min(spec.shard_size, total - i * spec.shard_size)
+            data = streams[split]
+            rng = np.random.default_rng([spec.seed, 7 if split == "train" else 8, i])
+            starts = rng.integers(0, len(data) - spec.prefix_len - 1, size=n)
+            prefixes = torch.from_numpy(np.stack([data[s : s + spec.prefix_len] for s in starts]).astype(np.int64))
+            if not seq_path.exists():
+                gens = [greedy_continue(target, prefixes[j : j + 32], spec.gen_len) for j in range(0, n, 32)]
+                seqs = torch.cat([prefixes, torch.cat(gens)], dim=1)
+                _atomic_save_npy(seq_path, seqs.numpy().astype(np.int32))
+            seqs = torch.from_numpy(np.load(seq_path).astype(np.int64))
+            feats = torch.cat([capture_features(target, seqs[j : j + 16], layers) for j in range(0, n, 16)])
+            _atomic_save_npy(feat_path, feats.to(torch.bfloat16).view(torch.int16).numpy())
+            bar.update(1)
+        out[split].append((np.load(seq_path), np.load(feat_path, mmap_mode="r")))
+    bar.close()
+    res = {}
+    for split, shards in out.items():
+        res[split] = (np.concatenate([s for s, _ in shards]), [f for _, f in shards], [len(s) for s, _ in shards])
+    assert res["train"][0].shape[1] == t_len
+    return res
+
+
+class _Feats:
+    """Row access over the feature shards (memory-mapped, bf16 stored as int16)."""
+
+    def __init__(self, shards: list[np.ndarray], sizes: list[int]) -> None:
+        self.shards, self.offsets = shards, np.cumsum([0, *sizes])
+
+    def rows(self, idx: np.ndarray) -> torch.Tensor:
+        out = []
+        for i in idx:
+            s = int(np.searchsorted(self.offsets, i, side="right") - 1)
+            out.append(np.asarray(self.shards[s][i - self.offsets[s]]))
+        return torch.from_numpy(np.stack(out)).view(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def _lr(spec: DrafterSpec, step: int) -> float:
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    prog = min(1.0, (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps))
+    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def _positions(spec: DrafterSpec, rng: np.random.Generator, b: int, t_len: int) -> torch.Tensor:
+    """block: anchors in [prefix, T-1-k]; mtp: positions p in [prefix-1, T-2-heads]. [B, N] long."""
+    if spec.kind == "block":
+        lo, hi = spec.prefix_len, t_len - 1 - spec.block_size
+    else:
+        lo, hi = spec.prefix_len - 1, t_len - 2 - spec.num_heads_mtp
+    return torch.from_numpy(rng.integers(lo, hi + 1, size=(b, spec.anchors_per_seq)).astype(np.int64))
+
+
+def _block_targets(tokens: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+    idx = anchors[:, :, None] + torch.arange(1, k + 1)
+    return tokens.gather(1, idx.view(tokens.shape[0], -1)).view(*anchors.shape, k)  # [B, N, k]
+
+
+def _mtp_inputs(feats: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, d: int, n_heads: int, embed):
+    b, n = pos.shape
+    h = feats[..., -d:].gather(1, pos[:, :, None].expand(b, n, d))  # final hidden at p
+    e = F.embedding(tokens.gather(1, pos + 1), embed)  # token p+1 (the target's own next token)
+    idx = pos[:, :, None] + 1 + torch.arange(1, n_heads + 1)
+    y = tokens.gather(1, idx.view(b, -1)).view(b, n, n_heads)  # tokens p+1+j
+    return h, e, y
+
+
+def _logits(model, spec: DrafterSpec, feats, tokens, pos, embed, lm_head, d: int):
+    """(logits [B, N, k, V], targets [B, N, k]) for a batch."""
+    if spec.kind == "block":
+        return (model.forward_train(feats, tokens, pos, embed, lm_head),
+                _block_targets(tokens, pos, spec.block_size))
+    h, e, y = _mtp_inputs(feats, tokens, pos, d, spec.num_heads_mtp, embed)
+    return F.linear(model.hidden(h, e), lm_head), y
+
+
+@torch.no_grad()
+def evaluate(model, spec: DrafterSpec, val, embed, lm_head, d: int) -> dict:
+    """Per-slot top-1 accuracy and chain tau on held-out sequences (fixed positions, seed-independent)."""
+    seqs, shards, sizes = val
+    feats_of = _Feats(shards, sizes)
+    rng = np.random.default_rng([12345])
+    model.eval()
+    hits = []
+    for i in range(0, len(seqs), 16):
+        idx = np.arange(i, min(len(seqs), i + 16))
+        tokens = torch.from_numpy(seqs[idx].astype(np.int64))
+        feats = feats_of.rows(idx)
+        pos = _positions(spec, rng, len(idx), seqs.shape[1])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, y = _logits(model, spec, feats, tokens, pos, embed, lm_head, d)
+        hits.append((logits.argmax(-1) == y).reshape(-1, y.shape[-1]))
+    model.train()
+    h = torch.cat(hits).float()  # [blocks, k]
+    prefix = h.cumprod(dim=1)  # slot j accepted iff all slots <= j right
+    k = h.shape[1]
+    return {
+        "slot_accuracy": [round(v, 4) for v in h.mean(0).tolist()],
+        "tau_chain_at_k": {str(j): round(1 + prefix[:, :j].sum(1).mean().item(), 4) for j in range(1, k + 1)},
+        "blocks": int(h.shape[0]),
+    }
+
+
+def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, spec: DrafterSpec,
+                          progress: bool = True, stop_after: int | None = None) -> dict | None:
+    """Train (or resume) one feature drafter; write config.json, model.safetensors and recipe.json.
+
+    `stop_after` ends the run after that many steps with a checkpoint and no output, as a kill would
+    (for resume tests); the next call resumes there."""
+    from decoder.models import load_causal_lm
+
+    target_dir = Path(target_dir)
+    out_dir = Path(out_dir) if out_dir else drafters_dir(target_dir) / spec.kind
+    if spec.kind not in ("block", "mtp"):
+        raise ValueError(f"--kind {spec.kind}: choose block, mtp or router")
+    target = load_causal_lm(target_dir, "target", "bfloat16", "cpu")
+    tc = target.config
+    layers = tuple(spec.target_layers) if spec.target_layers else default_layers(tc.num_hidden_layers)
+    if max(layers) >= tc.num_hidden_layers:
+        raise ValueError(f"--target-layers {layers}: the target has {tc.num_hidden_layers} layers "
+                         f"(0..{tc.num_hidden_layers - 1})")
+    d = tc.hidden_size
+    work.mkdir(parents=True, exist_ok=True)
+    t_data = time.time()
+    data = build_data(target, target_dir, work, spec, layers)
+    data_s = time.time() - t_data
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = target.lm_head.weight.detach()
+
+    torch.manual_seed(spec.seed)
+    if spec.kind == "block":
+        cfg = BlockDrafterConfig(target_hidden=d, target_layers=list(layers), vocab_size=tc.vocab_size,
+                                 num_layers=spec.num_layers, num_heads=tc.num_attention_heads,
+                                 num_kv_heads=tc.num_key_value_heads, intermediate=spec.intermediate,
+                                 block_size=spec.block_size, rope_theta=float(getattr(tc, "rope_theta", 1e4) or 1e4),
+                                 rms_eps=tc.rms_norm_eps)
+        model = BlockDrafter(cfg)
+    else:
+        cfg = MTPConfig(target_hidden=d, target_layers=[layers[-1]], vocab_size=tc.vocab_size,
+                        num_heads=spec.num_heads_mtp, rms_eps=tc.rms_norm_eps)
+        model = MTPHeads(cfg, target.model.norm.weight)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
+    ckpt = work / f"{spec.kind}-s{spec.seed}.ckpt.pt"
+    step, elapsed, log = 0, 0.0, []
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        if state.get("spec") != asdict(spec):
+            raise SystemExit(f"error: checkpoint {ckpt} was written by a different recipe; delete it or use "
+                             f"another --work-dir")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed, log = state["step"], state["elapsed"], state["log"]
+        print(f"[{spec.kind}] resuming at step {step}/{spec.steps}", file=sys.stderr)
+
+    def save_ckpt() -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                    "log": log, "spec": asdict(spec)}, tmp)
+        os.replace(tmp, ckpt)
+
+    seqs, shards, sizes = data["train"]
+    feats_of = _Feats(shards, sizes)
+    slot_w = None
+    if spec.kind == "block":
+        slot_w = torch.exp(-torch.arange(spec.block_size, dtype=torch.float32) / spec.slot_decay)
+        slot_w = slot_w / slot_w.mean()
+    n_params = sum(p.numel() for p in model.parameters())
+    model.train()
+    bar = tqdm(total=spec.steps, initial=step, desc=f"train {spec.kind} ({n_params / 1e6:.2f}M)", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
+    t_last = time.time()
+    while step < spec.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr(spec, step)
+        rng = np.random.default_rng([spec.seed, step, 1])
+        idx = np.sort(rng.choice(len(seqs), size=spec.batch_size, replace=False))
+        tokens = torch.from_numpy(seqs[idx].astype(np.int64))
+        feats = feats_of.rows(idx)
+        pos = _positions(spec, rng, len(idx), seqs.shape[1])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, y = _logits(model, spec, feats, tokens, pos, embed, lm_head, d)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        ce = ce.view(-1, y.shape[-1])
+        loss = (ce * slot_w).mean() if slot_w is not None else ce.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        if step % 10 == 0:
+            log.append({"step": step, "loss": round(loss.item(), 4),
+                        "acc1": round((logits[..., 0, :].argmax(-1) == y[..., 0]).float().mean().item(), 4)})
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update(1)
+        if step % spec.checkpoint_every == 0 or step == spec.steps or step == stop_after:
+            save_ckpt()
+        if step == stop_after:
+            bar.close()
+            return None
+    bar.close()
+
+    metrics = evaluate(model, spec, data["val"], embed, lm_head, d)
+    save_feature_drafter(model, out_dir)
+    recipe = {
+        "spec": asdict(spec),
+        "target": str(target_dir),
+        "target_layers": list(layers),
+        "parameters": n_params,
+        "data_seconds": round(data_s, 1),
+        "train_seconds": round(elapsed, 1),
+        "threads": torch.get_num_threads(),
+        "val": metrics,
+        "train_log_tail": log[-10:],
+        "torch": torch.__version__,
+    }
+    _atomic_write(out_dir / "recipe.json", json.dumps(recipe, indent=2))
+    print(f"[{spec.kind}] done: {n_params / 1e6:.2f}M params, val slot accuracy {metrics['slot_accuracy']}, "
+          f"chain tau at k: {metrics['tau_chain_at_k']}", file=sys.stderr)
+    return recipe
+
+
+# ------------------------------------------------------------------------------------------ router
+
+
+def _router_rows(docs, tok, chars: int) -> tuple[list[list[int]], list[int]]:
+    from decoder.corpus import make_prompt
+
+    rows, labels = [], []
+    for d in docs:
+        text = make_prompt(d.text, target_chars=chars) if d.domain == "code" else d.text[:chars]
+        rows.append(tok(text, add_special_tokens=False)["input_ids"])
+        labels.append(1 if d.domain == "prose" else 0)
+    return rows, labels
+
+
+def _bag(rows: list[list[int]], vocab: int) -> torch.Tensor:
+    x = torch.zeros(len(rows), vocab)
+    for i, r in enumerate(rows):
+        if r:
+            x[i].index_add_(0, torch.tensor(r), torch.full((len(r),), 1.0 / len(r)))
+    return x
+
+
+def train_router(target_dir: Path, out_path: Path | None = None, seed: int = 0, prompt_chars: int = 1000,
+                 steps: int = 300) -> dict:
+    """Fit the code/prose router on the training split; report its accuracy on val and the prompt sets."""
+    from decoder.corpus import all_documents, split_of
+    from decoder.models import DEMO_DIR, load_tokenizer
+
+    target_dir = Path(target_dir)
+    out_path = Path(out_path) if out_path else drafters_dir(target_dir) / "router.json"
+    tok = load_tokenizer(target_dir)
+    vocab = len(tok)
+    docs = all_documents()
+    by = {s: [d for d in docs if split_of(d.id, d.domain) == s] for s in ("train", "val")}
+    xs, ys = {}, {}
+    for s, ds in by.items():
+        rows, labels = _router_rows(ds, tok, prompt_chars)
+        xs[s], ys[s] = _bag(rows, vocab), torch.tensor(labels, dtype=torch.float32)
+    torch.manual_seed(seed)
+    w = torch.zeros(vocab, requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    pos_weight = (ys["train"] == 0).sum() / (ys["train"] == 1).sum().clamp_min(1)  # classes balanced
+    opt = torch.optim.LBFGS([w, b], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        z = xs["train"] @ w + b
+        loss = F.binary_cross_entropy_with_logits(z, ys["train"], pos_weight=pos_weight) + 1e-4 * w.pow(2).sum()
+        loss.backward()
+        return loss
+
+    t0 = time.time()
+    opt.step(closure)
+    fit_s = time.time() - t0
+    router = DomainRouter(w.detach().tolist(), float(b.item()))
+
+    def acc(x, y) -> float:
+        return round(((x @ w.detach() + b.detach() >= 0).float() == y).float().mean().item(), 4)
+
+    prompt_acc = {}
+    prompt_dir = DEMO_DIR / "prompts"
+    for dom in ("code", "prose"):
+        path = prompt_dir / f"{dom}.jsonl"
+        if path.exists():
+            texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+            routes = [router.route(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+            prompt_acc[dom] = round(sum(r == dom for r in routes) / len(routes), 4)
+    probe = tok(texts[0], add_special_tokens=False)["input_ids"] if prompt_acc else list(range(300))
+    t1 = time.perf_counter()
+    for _ in range(200):
+        router.route(probe)
+    route_us = (time.perf_counter() - t1) / 200 * 1e6
+    router.recipe = {"seed": seed, "prompt_chars": prompt_chars, "lbfgs_iters": steps, "vocab": vocab,
+                     "train_docs": len(ys["train"]), "val_docs": len(ys["val"]), "fit_seconds": round(fit_s, 2),
+                     "train_accuracy": acc(xs["train"], ys["train"]), "val_accuracy": acc(xs["val"], ys["val"]),
+                     "prompt_set_accuracy": prompt_acc, "route_microseconds": round(route_us, 1)}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    router.save(out_path)
+    print(f"[router] val accuracy {router.recipe['val_accuracy']}, prompt sets {prompt_acc}, "
+          f"{route_us:.0f} us per route", file=sys.stderr)
+    return router.recipe

@@ -1,0 +1,251 @@
+"""Feature drafters (block drafter, MTP heads, domain router): lossless decoding, training resume, wiring."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from decoder.config import ConfigError, DecodeConfig
+from decoder.featdraft import (
+    BlockDrafter,
+    BlockDrafterConfig,
+    BlockState,
+    DomainRouter,
+    FeatureDrafterError,
+    FeatureHeads,
+    MTPConfig,
+    MTPHeads,
+    MTPState,
+    drafters_dir,
+    feature_generate,
+    load_feature_drafter,
+    save_feature_drafter,
+)
+from decoder.generate import ar_generate, generate
+from decoder.lean import LeanLM
+from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
+
+TRAINED = drafters_dir(DEMO_DIR / "target")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_causal_lm(DEMO_DIR / "target", "target")
+
+
+@pytest.fixture(scope="module")
+def lean(target):
+    return LeanLM(target)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer(DEMO_DIR / "target")
+    rows = []
+    for dom in ("code", "prose"):
+        line = (DEMO_DIR / "prompts" / f"{dom}.jsonl").read_text().splitlines()[0]
+        rows.append(tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"][-160:])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def references(lean, prompts):
+    cfg = DecodeConfig(method="ar", lean_forward=True, max_new_tokens=40, stop_at_eos=False)
+    return [ar_generate(lean, p, cfg).tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def untrained(target):
+    """Randomly initialised drafters (no training): their drafts are mostly wrong, which exercises
+    rejection at every slot; block size and heads 16 cover every draft length asked for."""
+    c = target.config
+    torch.manual_seed(0)
+    block = BlockDrafter(BlockDrafterConfig(c.hidden_size, [1, 3, 5], c.vocab_size, block_size=16))
+    mtp = MTPHeads(MTPConfig(c.hidden_size, [5], c.vocab_size, num_heads=16), target.model.norm.weight)
+    with torch.no_grad():
+        mtp.w2.normal_(0, 0.02)
+    return block.to(torch.bfloat16).eval(), mtp.to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("k", range(1, 17))
+def test_block_and_mtp_drafters_are_lossless_for_every_block_size(k, lean, prompts, references, untrained):
+    block, mtp = untrained
+    eos = lean.config.eos_token_id
+    for prompt, ref in zip(prompts, references, strict=True):
+        for state in (BlockState(block, lean.embed, lean.lm_head), MTPState(mtp, lean.embed, lean.lm_head)):
+            g = feature_generate(lean, state, prompt, 40, k, eos, stop_at_eos=False)
+            assert g.tokens == ref, (type(state).__name__, k)
+            assert g.stats.draft_steps > 0 and g.stats.drafted <= k * g.stats.draft_steps
+
+
+def test_drafts_that_are_always_right_are_all_accepted(lean, prompts, references):
+    """A drafter that proposes the reference continuation is accepted in full: tau = k + 1 per step."""
+
+    class Oracle:
+        capture = (5,)
+        forwards = 0
+
+        def __init__(self, ref, start):
+            self.ref, self.start, self.pos = ref, start, 0
+
+        def reset(self):
+            self.pos = 0
+
+        def extend(self, feats):
+            self.pos += feats.shape[0]
+
+        def draft(self, last, k):
+            i = self.pos - self.start + 1  # index in ref of the token after `last`
+            return torch.tensor(self.ref[i : i + k], dtype=torch.long)
+
+    prompt, ref = prompts[0], references[0]
+    g = feature_generate(lean, Oracle(ref, len(prompt)), prompt, 40, 4, None, stop_at_eos=False)
+    assert g.tokens == ref
+    assert g.stats.accepted == g.stats.drafted  # every draft token accepted
+    assert g.stats.target_forwards == 1 + 8  # prefill, then 39 tokens in steps of 5 (4 + bonus)
+
+
+@pytest.mark.skipif(not (TRAINED / "block" / "config.json").exists(), reason="demo feature drafters not trained")
+@pytest.mark.parametrize("kind", ["block", "mtp"])
+def test_trained_demo_drafters_are_lossless_and_accept_drafts(kind, target, lean, prompts, references):
+    heads = FeatureHeads(TRAINED, target.config, torch.bfloat16, torch.device("cpu"))
+    for prompt, ref in zip(prompts, references, strict=True):
+        g = feature_generate(lean, heads.state(kind, lean), prompt, 40, 4, None, stop_at_eos=False)
+        assert g.tokens == ref
+        assert g.stats.tau > 1.3, kind  # trained: well above AR's 1.0
+
+
+def test_generate_dispatches_block_mtp_and_routed(target, prompts, references, untrained, tmp_path):
+    block, mtp = untrained
+    save_feature_drafter(block, tmp_path / "block")
+    save_feature_drafter(mtp, tmp_path / "mtp")
+    vocab = target.config.vocab_size
+    # A router that sends everything to prose (bias > 0, zero weights).
+    DomainRouter([0.0] * vocab, 1.0).save(tmp_path / "router.json")
+    heads = FeatureHeads(tmp_path, target.config, torch.bfloat16, torch.device("cpu"))
+    for drafter in ("block", "mtp", "routed"):
+        cfg = DecodeConfig(drafter=drafter, lean_forward=True, draft_len=5, max_new_tokens=40, stop_at_eos=False)
+        g = generate(cfg, target, prompts[0], heads=heads)
+        assert g.tokens == references[0], drafter
+        if drafter == "routed":
+            assert dict(g.stats.routes) == {"prose:mtp": 1}
+    with pytest.raises(ValueError, match="FeatureHeads"):
+        generate(DecodeConfig(drafter="block", lean_forward=True), target, prompts[0])
+
+
+def test_config_names_what_a_feature_drafter_needs():
+    with pytest.raises(ConfigError, match="lean_forward = True"):
+        DecodeConfig(drafter="block")
+    with pytest.raises(ConfigError, match="temperature"):
+        DecodeConfig(drafter="mtp", lean_forward=True, temperature=0.7)
+    with pytest.raises(ConfigError, match="route_code"):
+        DecodeConfig(drafter="routed", lean_forward=True, route_code="medusa")
+    cfg = DecodeConfig(drafter="routed", lean_forward=True, route_prose="ngram")
+    assert DecodeConfig.from_toml(cfg.to_toml()) == cfg
+
+
+def test_loading_checks_the_drafter_fits_the_target(target, untrained, tmp_path):
+    with pytest.raises(FeatureDrafterError, match="train one"):
+        load_feature_drafter(tmp_path / "nothing", target.config, torch.bfloat16, torch.device("cpu"))
+    block, _ = untrained
+    save_feature_drafter(block, tmp_path / "b")
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    cfg["target_hidden"] = 512
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FeatureDrafterError, match="retrain it for this target"):
+        load_feature_drafter(tmp_path / "b", target.config, torch.bfloat16, torch.device("cpu"))
+
+
+def test_router_round_trip_and_choice(tmp_path):
+    r = DomainRouter([0.0, 2.0, -2.0], -0.1)
+    r.save(tmp_path / "r.json")
+    back = DomainRouter.load(tmp_path / "r.json")
+    assert back.route([1, 1, 0]) == "prose" and back.route([2, 0]) == "code"
+    assert back.route([]) == "code"  # the bias alone decides an empty prompt
+
+
+@pytest.mark.skipif(not (TRAINED / "router.json").exists(), reason="demo router not trained")
+def test_trained_router_separates_the_demo_prompt_sets():
+    tok = load_tokenizer(DEMO_DIR / "target")
+    router = DomainRouter.load(TRAINED / "router.json")
+    for dom in ("code", "prose"):
+        texts = [json.loads(x)["text"] for x in (DEMO_DIR / "prompts" / f"{dom}.jsonl").read_text().splitlines()]
+        right = sum(router.route(tok(t, add_special_tokens=False)["input_ids"]) == dom for t in texts)
+        assert right >= 0.9 * len(texts), dom
+
+
+@pytest.fixture(scope="module")
+def token_cache(tmp_path_factory):
+    """The corpus tokenised once for the training tests (a few seconds)."""
+    from decoder.train_drafter import corpus_streams
+
+    work = tmp_path_factory.mktemp("drafter-work")
+    corpus_streams(DEMO_DIR / "target", work / "tokens", 3)
+    return work
+
+
+@pytest.mark.parametrize("kind", ["block", "mtp"])
+def test_training_resumes_to_the_same_weights(kind, token_cache, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from decoder.train_drafter import DrafterSpec, train_feature_drafter
+
+    spec = DrafterSpec(kind=kind, train_sequences=12, val_sequences=4, shard_size=8, prefix_len=24, gen_len=16,
+                       steps=6, batch_size=2, anchors_per_seq=3, block_size=4, num_heads_mtp=3, intermediate=64,
+                       warmup_steps=2, checkpoint_every=100)
+    work2 = tmp_path / "w2"
+    straight = train_feature_drafter(DEMO_DIR / "target", tmp_path / "out1", token_cache, spec, progress=False)
+    shutil.copytree(token_cache, work2, ignore=shutil.ignore_patterns("*.ckpt.pt"))  # same data, no checkpoint
+    assert train_feature_drafter(DEMO_DIR / "target", tmp_path / "out2", work2, spec, progress=False,
+                                 stop_after=3) is None  # "killed" after 3 steps, with a checkpoint
+    assert not (tmp_path / "out2").exists()
+    resumed = train_feature_drafter(DEMO_DIR / "target", tmp_path / "out2", work2, spec, progress=False)
+    a = load_file(tmp_path / "out1" / "model.safetensors")
+    b = load_file(tmp_path / "out2" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert straight["val"] == resumed["val"]
+    assert json.loads((tmp_path / "out1" / "recipe.json").read_text())["spec"]["seed"] == 0
+    # The trained drafter loads and decodes losslessly.
+    target = load_causal_lm(DEMO_DIR / "target", "target")
+    m = load_feature_drafter(tmp_path / "out1", target.config, torch.bfloat16, torch.device("cpu"))
+    assert m.c.kind == kind
+
+
+def test_training_refuses_a_checkpoint_of_another_recipe(token_cache, tmp_path):
+    import shutil
+
+    from decoder.train_drafter import DrafterSpec, train_feature_drafter
+
+    spec = DrafterSpec(kind="mtp", train_sequences=8, val_sequences=4, shard_size=8, prefix_len=24, gen_len=16,
+                       steps=4, batch_size=2, anchors_per_seq=2, num_heads_mtp=2, warmup_steps=1)
+    work = tmp_path / "w"
+    shutil.copytree(token_cache, work, ignore=shutil.ignore_patterns("*.ckpt.pt"))
+    train_feature_drafter(DEMO_DIR / "target", tmp_path / "o", work, spec, progress=False, stop_after=2)
+    spec.lr = 1e-2
+    with pytest.raises(SystemExit, match="different recipe"):
+        train_feature_drafter(DEMO_DIR / "target", tmp_path / "o", work, spec, progress=False)
+
+
+def test_serve_answers_with_the_block_drafter(tmp_path, target, untrained, prompts, references):
+    """The system entry point decodes with drafter = block from --drafters, token-identical to AR."""
+    block, mtp = untrained
+    save_feature_drafter(block, tmp_path / "d" / "block")
+    cfg = DecodeConfig(drafter="block", lean_forward=True, draft_len=6)
+    (tmp_path / "system.toml").write_text(cfg.to_toml())
+    req = {"id": 1, "prompt_ids": prompts[0], "max_new_tokens": 40, "config": {"stop_at_eos": False},
+           "profile": True}
+    out = subprocess.run(
+        [sys.executable, "-m", "decoder.serve", "--target", str(DEMO_DIR / "target"), "--config",
+         str(tmp_path / "system.toml"), "--drafters", str(tmp_path / "d")],
+        input=json.dumps(req) + "\n", capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert lines[0]["ready"] is True, out.stderr[-2000:]
+    assert lines[1]["tokens"] == references[0], lines[1]
+    assert lines[1]["stats"]["drafted"] > 0
