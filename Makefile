@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo loop-demo bench-prose test test-slow lint train-demo clean
+.PHONY: setup demo loop-demo bench-prose test test-slow lint train-demo train-drafters clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ lint: setup
 
 train-demo: setup
 	$(VENV)/bin/specpilot train demo
+
+# The demo target's feature drafters (self-distilled; resumable: rerun after a kill to continue).
+train-drafters: setup
+	$(VENV)/bin/specpilot train drafter --kind router
+	OMP_NUM_THREADS=1 $(VENV)/bin/specpilot train drafter --kind block
+	OMP_NUM_THREADS=1 $(VENV)/bin/specpilot train drafter --kind mtp
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -83,6 +83,9 @@ class BlockDrafterConfig:
     rms_eps: float = 1e-5
     max_position: int = 2048
     kind: str = "block"
+    # Add the context state of the position before the anchor (the target's view of the token the anchor
+    # follows, as EAGLE fuses feature and token) to every block slot's input.
+    inject_prev: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -148,6 +151,9 @@ class BlockDrafter(nn.Module):
         ctx = self.context(feats)  # [B, T, D]
         x = self.mask_emb.expand(b, n, s, -1).clone()
         x[:, :, 0] = F.embedding(tokens.gather(1, anchors), embed).to(x.dtype)
+        if c.inject_prev:
+            prev = ctx.gather(1, (anchors - 1).clamp_min(0)[:, :, None].expand(b, n, ctx.shape[-1]))  # [B, N, D]
+            x = x + prev[:, :, None, :].to(x.dtype)
         x = x.view(b, n * s, -1)
         pos = (anchors[:, :, None] + torch.arange(s, device=feats.device)).view(b, n * s)  # [B, Q]
         cos_b, sin_b = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, Q, hd]
@@ -188,6 +194,7 @@ class BlockState:
         self.v = torch.empty(shape, dtype=p.dtype, device=p.device)
         self.length = 0
         self.forwards = 0
+        self.prev: torch.Tensor | None = None  # context state of the last context position (inject_prev)
         # Fused projections, built once: one matmul for q|k|v (block) and one for k|v (context).
         with torch.no_grad():
             self.wqkv = [torch.cat([ly.wq.weight, ly.wk.weight, ly.wv.weight]) for ly in model.layers]
@@ -205,6 +212,7 @@ class BlockState:
         n = feats.shape[0]
         start, end = self.length, self.length + n
         ctx = m.context(feats)
+        self.prev = ctx[-1]
         cos, sin = m.cos[start:end], m.sin[start:end]
         for li in range(c.num_layers):
             kv = F.linear(ctx, self.wkv[li])
@@ -219,6 +227,8 @@ class BlockState:
         s = max(k, c.block_size) + 1
         start = self.length
         x = torch.cat([F.embedding(last, self.embed), m.mask_emb.expand(s - 1, -1)])  # [S, D]
+        if c.inject_prev:
+            x = x + self.prev
         cos, sin = m.cos[start : start + s], m.sin[start : start + s]
         end = start + s
         if end > self.k.shape[2]:
@@ -271,10 +281,15 @@ class MTPHeads(nn.Module):
     def hidden(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """h, e [..., D] -> per-head normed hidden [..., n, D]."""
         eps = self.c.rms_eps
-        z = torch.cat([_rms(h, self.norm_h, eps), _rms(e, self.norm_e, eps)], dim=-1)  # [..., 2D]
-        u = F.silu(torch.einsum("...i,nij->...nj", z, self.w1))
-        h2 = h.unsqueeze(-2) + torch.einsum("...nj,njk->...nk", u, self.w2)
-        return _rms(h2, self.out_norm, eps)
+        n, d = self.c.num_heads, self.c.target_hidden
+        lead = h.shape[:-1]
+        z = torch.cat([_rms(h, self.norm_h, eps), _rms(e, self.norm_e, eps)], dim=-1).reshape(-1, 2 * d)  # [M, 2D]
+        # All heads' first layer as one [M, 2D] x [2D, n*D] matmul, the second as one bmm over heads
+        # (einsum would broadcast the weights over M and copy them).
+        u = F.silu(z @ self.w1.permute(1, 0, 2).reshape(2 * d, n * d)).view(-1, n, d)  # [M, n, D]
+        r = torch.bmm(u.transpose(0, 1), self.w2).transpose(0, 1).contiguous()  # [M, n, D]
+        h2 = h.reshape(-1, 1, d) + r
+        return _rms(h2, self.out_norm, eps).view(*lead, n, d)
 
 
 class MTPState:
