@@ -86,7 +86,7 @@ class FeatureSettings:
     """Bench settings of sd-block, sd-mtp and sd-routed (defaults: the best measured on the demo, README)."""
 
     block_draft_len: int = 8
-    mtp_draft_len: int = 4
+    mtp_draft_len: int = 6
     route_code: str = "block"
     route_prose: str = "mtp"
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)

@@ -139,7 +139,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
     ),
     Mechanism(
         name="mtp-heads", family="drafting",
-        keys={"drafter": ("mtp",), "draft_len": (1, 2, 3, 4)},
+        keys={"drafter": ("mtp",), "draft_len": (2, 3, 4, 5, 6)},
         stock={"drafter": "draft-model"},
         applies="the target has trained MTP heads (TARGET/drafters/mtp): chat-like prose, short confident drafts",
         summary="k light residual heads on the target's final hidden state and next token, one batched "

@@ -249,3 +249,38 @@ def test_serve_answers_with_the_block_drafter(tmp_path, target, untrained, promp
     assert lines[0]["ready"] is True, out.stderr[-2000:]
     assert lines[1]["tokens"] == references[0], lines[1]
     assert lines[1]["stats"]["drafted"] > 0
+
+
+def _prompt_file(tmp_path):
+    rows = [json.loads(x) for dom in ("code", "prose")
+            for x in (DEMO_DIR / "prompts" / f"{dom}.jsonl").read_text().splitlines()[:2]]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.skipif(not (TRAINED / "router.json").exists() or not (TRAINED / "block" / "config.json").exists(),
+                    reason="demo feature drafters not trained")
+def test_bench_reports_feature_methods_lossless_with_routes(tmp_path):
+    from decoder.bench import run_bench
+
+    report = run_bench(DEMO_DIR / "target", DEMO_DIR / "drafter", str(_prompt_file(tmp_path)), 24,
+                       methods=("ar-lean", "sd-block", "sd-mtp", "sd-routed"), noise_prompts=2, progress=False)
+    by = {m["name"]: m for m in report["methods"]}
+    for name in ("sd-block", "sd-mtp", "sd-routed"):
+        assert by[name]["unexplained_mismatches"] == 0, by[name]
+        assert by[name]["ar_baseline"] == "ar-lean"
+        assert by[name]["draft_ms_per_step"] > 0
+    routed = by["sd-routed"]
+    assert sum(routed["routes"].values()) == 4  # every request routed once, the choice reported
+    assert set(routed["routes"]) <= {"code:block", "prose:mtp", "code:mtp", "prose:block"}
+    assert routed["route_us_per_request"] > 0
+    assert report["config"]["feature"]["block_draft_len"] == 8
+
+
+def test_bench_without_feature_drafters_names_the_fix(tmp_path):
+    from decoder.bench import BenchError, FeatureSettings, run_bench
+
+    with pytest.raises(BenchError, match="train drafter"):
+        run_bench(DEMO_DIR / "target", None, str(_prompt_file(tmp_path)), 4, methods=("sd-block",),
+                  feature=FeatureSettings(drafters=str(tmp_path / "none")), progress=False)

@@ -191,3 +191,13 @@ def test_auto_resumes_the_round_it_was_killed_in(tmp_path):
     assert [x["index"] for x in s["rounds"]] == [1] and s["rounds"][0]["attempts"]
     rounds = sqlite3.connect(db).execute("SELECT count(*) FROM rounds WHERE status = 'done'").fetchone()[0]
     assert rounds == 1  # the interrupted round was finished, not a second one started
+
+
+def test_best_round_is_the_round_that_produced_the_final_base():
+    from workbench.loop import best_round
+
+    rounds = [{"index": 1, "base_commit": "s"}, {"index": 2, "base_commit": "a"}, {"index": 3, "base_commit": "a"}]
+    assert best_round(rounds, "a", "s") == 1  # round 1 ended on a, nothing later changed it
+    assert best_round(rounds, "b", "s") == 3  # round 3 moved the base to b
+    assert best_round(rounds, "s", "s") == 0  # stock stayed best
+    assert best_round(list(reversed(rounds)), "a", "s") == 1

@@ -124,7 +124,9 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.kind == "router":
         print(json.dumps(train_router(target, Path(args.out) if args.out else None, seed=args.seed)))
         return 0
-    spec = DrafterSpec(kind=args.kind, seed=args.seed)
+    # The committed demo recipe: block 3500 steps; MTP 6 heads, 8000 steps (cheap per step).
+    spec = DrafterSpec(kind=args.kind, seed=args.seed, steps=3500 if args.kind == "block" else 8000,
+                       num_heads_mtp=6)
     for key in ("steps", "train_sequences", "batch_size", "block_size", "num_layers", "lr"):
         v = getattr(args, key)
         if v is not None:
@@ -201,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix it accepts")
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
     b.add_argument("--block-draft-len", type=positive_int, help="sd-block: tokens drafted per block (default 8)")
-    b.add_argument("--mtp-draft-len", type=positive_int, help="sd-mtp: tokens drafted by the heads (default 4)")
+    b.add_argument("--mtp-draft-len", type=positive_int, help="sd-mtp: tokens drafted by the heads (default 6)")
     b.add_argument("--route-code", help="sd-routed: drafter for code prompts (block, mtp, draft-model, ngram)")
     b.add_argument("--route-prose", help="sd-routed: drafter for prose prompts (default mtp)")
     b.add_argument("--drafters", help="the target's feature drafters directory (default TARGET/drafters)")
@@ -251,12 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kind", choices=("block", "mtp", "router"), help="drafter: what to train")
     t.add_argument("--target", help="drafter: the target's local model directory (default: the demo target)")
     t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
-    t.add_argument("--steps", type=int, help="drafter: optimiser steps (default 2500)")
+    t.add_argument("--steps", type=int, help="drafter: optimiser steps (default: block 3500, mtp 8000)")
     t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096)")
     t.add_argument("--batch-size", type=int, help="drafter: sequences per step (default 16)")
     t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
     t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1)")
-    t.add_argument("--heads", type=int, help="mtp: number of heads (default 4)")
+    t.add_argument("--heads", type=int, help="mtp: number of heads (default 6)")
     t.add_argument("--lr", type=float, help="drafter: peak learning rate")
     t.add_argument("--target-layers", help="drafter: target layers to read, e.g. 1,3,5 (default: spread, ending last)")
     t.add_argument("--only", choices=("target", "drafter"), help="run one stage")

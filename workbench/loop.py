@@ -524,7 +524,23 @@ class Loop:
                                      for a in r.get("attempts", [])]} for r in rounds],
             "accepted_mechanisms": accepted, "ceiling": self.state.get("ceiling"),
             "minutes": round(self.minutes(), 2),
+            "best_round": best_round(rounds, final, self.ws.stock_commit),
         }
+
+
+def best_round(rounds: list[dict], final: str, stock: str) -> int | None:
+    """The round after which the base was already the final system (0: stock stayed best; None: unknown).
+
+    A round's summary holds the base it started from, so round i ended on the next round's base (the
+    last round on the final commit)."""
+    if final == stock:
+        return 0
+    ordered = sorted(rounds, key=lambda r: r["index"])
+    for i, r in enumerate(ordered):
+        after = ordered[i + 1].get("base_commit") if i + 1 < len(ordered) else final
+        if after == final:
+            return r["index"]
+    return None
 
 
 def merge_branch(wt: git.Repo, branch: str, config_file: str) -> tuple[bool, str]:
