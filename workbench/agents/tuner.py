@@ -1,7 +1,8 @@
 """The built-in tuner: composes and tunes the decoder's registered mechanisms, no LLM involved.
 
 For its direction (a gap family) it reads the mechanism registry (config keys, ranges, requirements,
-devices) and the memory (configs of mechanisms accepted elsewhere for the family, tried first),
+devices) and the memory (configs of mechanisms accepted elsewhere for the family, tried first: each
+is paired against the current config, and the best of those that win is taken without a search),
 builds candidate configs on top of the branch's current `system.toml`, and tunes them by
 successive halving: every candidate runs on a few short visible prompts, the best third goes on
 to more and longer prompts, and so on. Every run goes through the harness (timed outside the
@@ -31,6 +32,7 @@ MAX_GRID = 12  # candidates per mechanism, sampled deterministically from larger
 RUNGS = ((2, 32), (4, 64))  # (prompts, tokens) per rung; the finalist is then paired on every visible prompt
 KEEP = 1 / 3
 MIN_GAIN = 1.03  # the winner must beat the current config by this factor at the last rung
+MAX_MEMORY = 6  # memory configs (composition first) paired against the current config before any search
 
 
 @dataclass
@@ -185,20 +187,23 @@ class TunerAgent:
 
     def _from_memory(self, sp, base: DecodeConfig, mem: list[Candidate], prompts, limit: int, ref: dict,
                      threshold: float, history: list) -> tuple[Candidate, float] | None:
-        """Memory's configs first (the composition of all, then each): the first that keeps stock's tokens
-        and beats the current config by min_gain in a paired run wins outright."""
+        """Memory's configs first (the composition of all, then each): every one that keeps stock's tokens
+        gets a paired run against the current config, and the best wins outright if it beats the current
+        config by min_gain. All of them, not the first winner: what other deployments accepted for
+        different gaps can differ a lot here, and the point of transfer is to start from the best."""
         n = min(self.rungs[-1][1], limit)
+        best: tuple[Candidate, float] | None = None
         with measurement_lock():
-            for c in mem[:4]:
+            for c in mem[:MAX_MEMORY]:
                 _, bad = self._score(sp, c.cfg, prompts[:2], n, ref, threshold)
                 if bad:
                     history.append({"memory": c.changes, "dropped": bad})
                     continue
                 r = self._paired(sp, base, c.cfg, prompts, n, passes=1)
                 history.append({"memory": c.changes, "paired_ratio": r})
-                if r >= self.min_gain:
-                    return c, r
-        return None
+                if r >= self.min_gain and (best is None or r > best[1]):
+                    best = (c, r)
+        return best
 
     @staticmethod
     def _paired(sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 2) -> float:
