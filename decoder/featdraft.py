@@ -86,6 +86,9 @@ class BlockDrafterConfig:
     # Add the context state of the position before the anchor (the target's view of the token the anchor
     # follows, as EAGLE fuses feature and token) to every block slot's input.
     inject_prev: bool = False
+    # A learned input per slot offset (instead of one shared mask embedding) plus the anchor token's
+    # embedding in every slot: each slot knows which offset it predicts and from which token, directly.
+    slot_inputs: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -116,11 +119,21 @@ class BlockDrafter(nn.Module):
         self.fc = nn.Linear(len(c.target_layers) * d, d, bias=False)  # target features -> context
         self.ctx_norm = nn.Parameter(torch.ones(d))
         self.mask_emb = nn.Parameter(torch.randn(d) * 0.02)
+        if c.slot_inputs:
+            self.slot_emb = nn.Parameter(torch.randn(c.block_size, d) * 0.02)
         self.layers = nn.ModuleList(_BlockLayer(c) for _ in range(c.num_layers))
         self.final_norm = nn.Parameter(torch.ones(d))
         cos, sin = _rope_tables(c.head_dim, c.max_position, c.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def slot_inputs(self, n_slots: int) -> torch.Tensor:
+        """Inputs of the n mask slots [n, D]: per-offset embeddings (the last repeats past the trained block)
+        or the shared mask embedding."""
+        if not self.c.slot_inputs:
+            return self.mask_emb.expand(n_slots, -1)
+        idx = torch.arange(n_slots, device=self.slot_emb.device).clamp_max(self.c.block_size - 1)
+        return self.mask_emb + self.slot_emb[idx]
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [..., n_layers * D] -> context states [..., D]."""
@@ -149,8 +162,11 @@ class BlockDrafter(nn.Module):
         b, t, _ = feats.shape
         n = anchors.shape[1]
         ctx = self.context(feats)  # [B, T, D]
-        x = self.mask_emb.expand(b, n, s, -1).clone()
-        x[:, :, 0] = F.embedding(tokens.gather(1, anchors), embed).to(x.dtype)
+        x = self.slot_inputs(k).expand(b, n, k, -1)
+        anchor_emb = F.embedding(tokens.gather(1, anchors), embed).to(x.dtype)  # [B, N, D]
+        if c.slot_inputs:
+            x = x + anchor_emb[:, :, None, :]
+        x = torch.cat([anchor_emb[:, :, None, :], x], dim=2)  # [B, N, S, D]
         if c.inject_prev:
             prev = ctx.gather(1, (anchors - 1).clamp_min(0)[:, :, None].expand(b, n, ctx.shape[-1]))  # [B, N, D]
             x = x + prev[:, :, None, :].to(x.dtype)
@@ -226,7 +242,9 @@ class BlockState:
         m, c = self.m, self.c
         s = max(k, c.block_size) + 1
         start = self.length
-        x = torch.cat([F.embedding(last, self.embed), m.mask_emb.expand(s - 1, -1)])  # [S, D]
+        e = F.embedding(last, self.embed)  # [1, D]
+        slots = m.slot_inputs(s - 1)
+        x = torch.cat([e, slots + e if c.slot_inputs else slots])  # [S, D]
         if c.inject_prev:
             x = x + self.prev
         cos, sin = m.cos[start : start + s], m.sin[start : start + s]

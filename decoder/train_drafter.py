@@ -67,6 +67,7 @@ class DrafterSpec:
     intermediate: int = 1024
     block_size: int = 8
     inject_prev: bool = True  # block: add the previous position's context state to every slot
+    slot_inputs: bool = True  # block: per-offset slot embeddings plus the anchor token's embedding in every slot
     num_heads_mtp: int = 4
     # optimisation
     steps: int = 2500
@@ -295,7 +296,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
         cfg = BlockDrafterConfig(target_hidden=d, target_layers=list(layers), vocab_size=tc.vocab_size,
                                  num_layers=spec.num_layers, num_heads=tc.num_attention_heads,
                                  num_kv_heads=tc.num_key_value_heads, intermediate=spec.intermediate,
-                                 block_size=spec.block_size, inject_prev=spec.inject_prev,
+                                 block_size=spec.block_size, inject_prev=spec.inject_prev, slot_inputs=spec.slot_inputs,
                                  rope_theta=float(getattr(tc, "rope_theta", 1e4) or 1e4),
                                  rms_eps=tc.rms_norm_eps)
         model = BlockDrafter(cfg)

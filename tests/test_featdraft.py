@@ -62,7 +62,8 @@ def untrained(target):
     rejection at every slot; block size and heads 16 cover every draft length asked for."""
     c = target.config
     torch.manual_seed(0)
-    block = BlockDrafter(BlockDrafterConfig(c.hidden_size, [1, 3, 5], c.vocab_size, block_size=16, inject_prev=True))
+    block = BlockDrafter(BlockDrafterConfig(c.hidden_size, [1, 3, 5], c.vocab_size, block_size=16, inject_prev=True,
+                                              slot_inputs=True))
     mtp = MTPHeads(MTPConfig(c.hidden_size, [5], c.vocab_size, num_heads=16), target.model.norm.weight)
     with torch.no_grad():
         mtp.w2.normal_(0, 0.02)
