@@ -201,3 +201,16 @@ def test_best_round_is_the_round_that_produced_the_final_base():
     assert best_round(rounds, "b", "s") == 3  # round 3 moved the base to b
     assert best_round(rounds, "s", "s") == 0  # stock stayed best
     assert best_round(list(reversed(rounds)), "a", "s") == 1
+
+
+def test_memory_configs_carry_what_their_mechanisms_require():
+    """A config accepted on a lean base (drafter = mtp) transfers to a stock base with lean_forward on."""
+    from decoder.config import DecodeConfig
+    from workbench.agents.tuner import candidates, with_requirements
+
+    assert with_requirements({"drafter": "mtp", "draft_len": 6})["lean_forward"] is True
+    assert with_requirements({"draft_len": 5}) == {"draft_len": 5}
+    mem = [{"name": "mtp", "config": {"drafter": "mtp", "draft_len": 6, "verify": "chain"}}]
+    cands = candidates(DecodeConfig(), "drafting", mem)
+    assert cands[0].source == "memory:mtp"
+    assert cands[0].cfg.drafter == "mtp" and cands[0].cfg.lean_forward and cands[0].cfg.draft_len == 6

@@ -60,13 +60,24 @@ def _grid(name: str, rng: random.Random) -> list[dict]:
     return [{**m.requires, **c} for c in combos]
 
 
+def with_requirements(changes: dict) -> dict:
+    """A change recorded on another deployment's base plus what its mechanisms require: a memory config
+    holds only the keys its agent changed (drafter = "mtp"), not those its base already had
+    (lean_forward = true), which a different base may lack."""
+    req: dict = {}
+    for m in REGISTRY.values():
+        if any(k in changes and changes[k] != v and changes[k] in m.keys.get(k, ()) for k, v in m.stock.items()):
+            req.update(m.requires)
+    return {**req, **changes} if changes else {}
+
+
 def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 0) -> list[Candidate]:
     """Memory's configs for the family first, then the registry's mechanisms of the family, on `base`."""
     rng = random.Random(seed)
     out: list[Candidate] = []
     seen = {json.dumps(base.as_dict(), sort_keys=True)}
     proposals: list[tuple[str, dict]] = []
-    confs = [(item.get("name", "?"), item.get("config") or {}) for item in memory]
+    confs = [(item.get("name", "?"), with_requirements(item.get("config") or {})) for item in memory]
     confs = [(n, c) for n, c in confs if c]
     if len(confs) > 1:  # all of them composed, best-measured first so later ones refine it
         composed: dict = {}
