@@ -87,7 +87,7 @@ class FeatureSettings:
 
     block_draft_len: int = 8
     mtp_draft_len: int = 6
-    route_code: str = "block"
+    route_code: str = "mtp"  # measured best on both demo domains (README); AngelSpec's split is code -> block
     route_prose: str = "mtp"
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
 

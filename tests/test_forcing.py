@@ -60,7 +60,7 @@ def make_branch(ws: Workspace, name: str, edits: dict[str, tuple[str, str] | str
 
 
 GENERATE_DEF = ("def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, "
-                "profile_sync: bool = False\n             ) -> Generation:\n")
+                "profile_sync: bool = False,\n             heads=None) -> Generation:\n")
 
 
 def patch_generate(body: str) -> tuple[str, str]:

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
     b.add_argument("--block-draft-len", type=positive_int, help="sd-block: tokens drafted per block (default 8)")
     b.add_argument("--mtp-draft-len", type=positive_int, help="sd-mtp: tokens drafted by the heads (default 6)")
-    b.add_argument("--route-code", help="sd-routed: drafter for code prompts (block, mtp, draft-model, ngram)")
+    b.add_argument("--route-code",
+                   help="sd-routed: drafter for code prompts (block, mtp, draft-model, ngram; default mtp)")
     b.add_argument("--route-prose", help="sd-routed: drafter for prose prompts (default mtp)")
     b.add_argument("--drafters", help="the target's feature drafters directory (default TARGET/drafters)")
     b.add_argument("--tree-shape", help="sd-tree: 'dynamic' or children per depth, e.g. 4,2,1,1")
