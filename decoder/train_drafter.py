@@ -46,6 +46,7 @@ from decoder.featdraft import (
     drafters_dir,
     save_feature_drafter,
 )
+from decoder.train import _atomic_write_text, _lr_at
 
 
 @dataclass
@@ -90,12 +91,6 @@ def default_layers(n_layers: int) -> tuple[int, ...]:
 def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp.npy")
     np.save(tmp, arr)
-    os.replace(tmp, path)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -197,13 +192,6 @@ class _Feats:
 
 
 # ------------------------------------------------------------------------------------- training
-
-
-def _lr(spec: DrafterSpec, step: int) -> float:
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    prog = min(1.0, (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps))
-    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
 def _positions(spec: DrafterSpec, rng: np.random.Generator, b: int, t_len: int) -> torch.Tensor:
@@ -336,7 +324,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
     t_last = time.time()
     while step < spec.steps:
         for g in opt.param_groups:
-            g["lr"] = _lr(spec, step)
+            g["lr"] = _lr_at(spec, step)  # the demo recipe's schedule (same fields)
         rng = np.random.default_rng([spec.seed, step, 1])
         idx = np.sort(rng.choice(len(seqs), size=spec.batch_size, replace=False))
         tokens = torch.from_numpy(seqs[idx].astype(np.int64))
@@ -381,7 +369,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
         "train_log_tail": log[-10:],
         "torch": torch.__version__,
     }
-    _atomic_write(out_dir / "recipe.json", json.dumps(recipe, indent=2))
+    _atomic_write_text(out_dir / "recipe.json", json.dumps(recipe, indent=2))
     print(f"[{spec.kind}] done: {n_params / 1e6:.2f}M params, val slot accuracy {metrics['slot_accuracy']}, "
           f"chain tau at k: {metrics['tau_chain_at_k']}", file=sys.stderr)
     return recipe
