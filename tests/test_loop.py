@@ -214,3 +214,28 @@ def test_memory_configs_carry_what_their_mechanisms_require():
     cands = candidates(DecodeConfig(), "drafting", mem)
     assert cands[0].source == "memory:mtp"
     assert cands[0].cfg.drafter == "mtp" and cands[0].cfg.lean_forward and cands[0].cfg.draft_len == 6
+
+
+def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
+    """With the lean forward on in the base (the only host-overhead mechanism on a CPU), host-overhead
+    gets no tuner agent, however large its gap; without a base it still does (the TUI's launch)."""
+    from decoder.config import DecodeConfig
+
+    repo = git.Repo(ws.path)
+    cfg = DecodeConfig.load(ws.path / ws.config.config_file)
+    wt = ws.path.parent / "lean-base"
+    repo.git.worktree("add", "-b", "lean-base", str(wt), "stock")
+    try:
+        cfg.lean_forward = True
+        cfg.save(wt / ws.config.config_file)
+        lrepo = git.Repo(wt)
+        lrepo.git.add(ws.config.config_file)
+        lrepo.index.commit("lean forward on")
+        base = lrepo.head.commit.hexsha
+        bd = {"families": {"host-overhead": 3.0, "drafting": 1.0}, "gaps": []}
+        loop = Loop(ws, LoopOptions(agents=2, use_global_memory=False))
+        assert [d.family for d in loop.directions(bd, set(), base)] == ["drafting"]
+        assert [d.family for d in loop.directions(bd, set(), ws.stock_commit)] == ["host-overhead", "drafting"]
+        assert [d.family for d in loop.directions(bd, set())] == ["host-overhead", "drafting"]
+    finally:
+        repo.git.worktree("remove", "--force", str(wt))

@@ -182,11 +182,14 @@ class Loop:
                            context, num_prompts=len(prompts))
         return {"entry": entry, "breakdown": bd.as_dict()}
 
-    def directions(self, breakdown: dict, exhausted: set[str]) -> list[Direction]:
+    def directions(self, breakdown: dict, exhausted: set[str], base: str | None = None) -> list[Direction]:
         from decoder.config import DecodeConfig
         from decoder.mechanisms import REGISTRY
 
         device = DecodeConfig.load(self.ws.path / self.ws.config.config_file).device.split(":")[0]
+        base_cfg = None
+        if base is not None and self.opts.agent == "tuner":
+            base_cfg = DecodeConfig.from_toml(self.ws.repo.git.show(f"{base}:{self.ws.config.config_file}"))
         fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
         out = []
         for fam, ms in fams:
@@ -197,6 +200,11 @@ class Loop:
             memory = self._memory_for(fam)
             if self.opts.agent == "tuner" and not mechs and not memory:
                 continue  # the tuner has nothing to turn for this family
+            if base_cfg is not None:
+                from workbench.agents.tuner import candidates
+
+                if not candidates(base_cfg, fam, memory):
+                    continue  # every mechanism of the family is already on in the base: no agent slot for it
             gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
             out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
         # families where other deployments already found something go first among equals
@@ -302,7 +310,7 @@ class Loop:
         self.say(f"round {index}: base {gaps['entry']['tokens_per_s']:.1f} tok/s; largest gaps (ms/token): {top}")
         exhausted = set(self.state.get("exhausted", []))
         if "directions" not in summary:
-            dirs = self.directions(bd, exhausted)
+            dirs = self.directions(bd, exhausted, base)
             summary["directions"] = [d.as_dict() for d in dirs]
             self.ws.memory.update_round(rnd.id, summary=summary)
         dirs = [Direction(**d) for d in summary["directions"]]

@@ -50,9 +50,10 @@ def _grid(name: str, rng: random.Random) -> list[dict]:
     m = REGISTRY[name]
     keys = list(m.keys)
     combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(m.keys[k] for k in keys))]
-    # With its switch off (verify = "chain", dcut = False, ...), a mechanism's other keys change nothing.
+    # With its switch off (verify = "chain", dcut = False, ...), a mechanism's other keys change nothing,
+    # and switching it off is not exploring it (a base that has it on would be offered stock again).
     switches = {k for k, v in m.stock.items() if v in (False, "chain", "bf16")}
-    combos = [c for c in combos if not (len(c) > 1 and any(c[k] == m.stock[k] for k in switches))]
+    combos = [c for c in combos if not any(c[k] == m.stock[k] for k in switches)]
     if len(combos) > MAX_GRID:
         combos = [combos[0], combos[-1], *rng.sample(combos[1:-1], MAX_GRID - 2)]
     if switches:  # the switch alone first: the mechanism with the decoder's tuned defaults
