@@ -10,6 +10,9 @@ METHODS = ("ar", "sd")
 DRAFTERS = ("draft-model", "ngram", "block", "mtp", "routed")
 FEATURE_DRAFTERS = ("block", "mtp", "routed")  # read the target's hidden states (decoder/featdraft.py)
 ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router may pick
+# What a feature drafter needs: the lean forward's hidden states and greedy chain verification.
+FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
+                 "temperature": 0.0}
 DTYPES = ("bfloat16", "float32", "float16")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
@@ -145,9 +148,7 @@ class DecodeConfig:
             if getattr(self, key) not in ROUTABLE:
                 raise bad(key, f"choose one of {', '.join(ROUTABLE)}")
         if self.drafter in FEATURE_DRAFTERS and self.method == "sd":
-            needs = {"lean_forward": True, "cuda_graphs": False, "temperature": 0.0, "verify": "chain",
-                     "dcut": False}
-            for key, want in needs.items():
+            for key, want in FEATURE_NEEDS.items():
                 if getattr(self, key) != want:
                     raise bad("drafter", f"the {self.drafter} drafter reads the target's hidden states from the "
                                          f"lean forward and verifies greedily: it needs {key} = {want!r}; set it "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decoder.config import DecodeConfig
+from decoder.config import FEATURE_NEEDS, DecodeConfig
 
 GAP_FAMILIES = ("weights", "kv", "compute", "drafting", "acceptance", "batching", "host-overhead")
 
@@ -134,8 +134,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "model's per-token forwards cost too much (code, maths)",
         summary="parallel block drafter on the target's hidden states (DFlash-style): k tokens in one "
                 "non-causal drafter forward, context KV of accepted positions only (decoder/featdraft.py)",
-        requires={"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
-                  "temperature": 0.0},
+        requires=FEATURE_NEEDS,
     ),
     Mechanism(
         name="mtp-heads", family="drafting",
@@ -144,8 +143,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         applies="the target has trained MTP heads (TARGET/drafters/mtp): chat-like prose, short confident drafts",
         summary="k light residual heads on the target's final hidden state and next token, one batched "
                 "matmul per step; no drafter model or cache at all (decoder/featdraft.py)",
-        requires={"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
-                  "temperature": 0.0},
+        requires=FEATURE_NEEDS,
     ),
     Mechanism(
         name="domain-routing", family="drafting",
@@ -155,8 +153,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         applies="mixed traffic (code and prose) where different domains want different drafters; the target "
                 "has a router (TARGET/drafters/router.json)",
         summary="a bag-of-tokens code/prose router (~20 us) picks the drafter per request",
-        requires={"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
-                  "temperature": 0.0},
+        requires=FEATURE_NEEDS,
     ),
 )}
 

@@ -164,6 +164,14 @@ def _lr_at(spec: LMSpec, step: int) -> float:
     return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cos)
 
 
+def optimizer_step(model, opt, loss: torch.Tensor) -> None:
+    """One AdamW step of the recipes: backward, clip the gradient norm at 1, step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 @torch.no_grad()
 def evaluate_loss(model, data: np.ndarray, seq_len: int = 512, max_windows: int = 64) -> float:
     """Mean next-token cross-entropy over non-overlapping validation windows."""
@@ -241,10 +249,7 @@ def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, wor
             kd = F.kl_div(logp.reshape(-1, logp.shape[-1]), t_logp.reshape(-1, t_logp.shape[-1]),
                           log_target=True, reduction="batchmean")
             loss = kd + spec.distill_ce_weight * ce
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(model, opt, loss)
         step += 1
         now = time.time()
         elapsed += now - t_last

@@ -46,7 +46,7 @@ from decoder.featdraft import (
     drafters_dir,
     save_feature_drafter,
 )
-from decoder.train import _atomic_write_text, _lr_at
+from decoder.train import _atomic_write_text, _lr_at, optimizer_step
 
 
 @dataclass
@@ -335,10 +335,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         ce = ce.view(-1, y.shape[-1])
         loss = (ce * slot_w).mean() if slot_w is not None else ce.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(model, opt, loss)
         step += 1
         now = time.time()
         elapsed += now - t_last
