@@ -17,6 +17,7 @@ from typing import Any
 import git
 
 from store import Mechanism
+from workbench.safegit import worktree_git
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
 
@@ -64,27 +65,27 @@ def export(ws: Workspace, mechanisms: list[Mechanism], out: Path | None, branch:
     wt = scratch / "wt"
     ws.repo.git.worktree("add", "--detach", str(wt), ws.stock_commit)
     try:
-        wrepo = git.Repo(wt)
+        wrepo = worktree_git(Path(ws.repo.git_dir), wt)  # patches are candidate text: no hooks, no filters
         for m in mechanisms:
             if not m.patch.strip():
                 raise WorkspaceError(f"mechanism {m.id} ({m.name}) has no patch to export")
             pfile = scratch / f"{m.id}.patch"
             pfile.write_text(m.patch)
             try:
-                wrepo.git.am("--3way", "--keep-cr", str(pfile))
+                wrepo.am("--3way", "--keep-cr", str(pfile))
             except git.GitCommandError as e:
-                wrepo.git.am("--abort")
+                wrepo.am("--abort")
                 first = (e.stderr or "").strip().splitlines()
                 raise WorkspaceError(f"mechanism {m.id} ({m.name}) does not apply on stock plus the ones before "
                                      f"it: {first[0] if first else e}") from None
         written: list[Path] = []
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            names = wrepo.git.format_patch("--no-signature", "-o", str(out.resolve()),
+            names = wrepo.format_patch("--no-signature", "-o", str(out.resolve()),
                                            f"{ws.stock_commit}..HEAD").splitlines()
             written = [Path(n) for n in names if n.strip()]
         if branch:
-            ws.repo.create_head(branch, wrepo.head.commit.hexsha)
+            ws.repo.create_head(branch, wrepo.rev_parse("HEAD").strip())
         return written
     finally:
         ws.repo.git.worktree("remove", "--force", str(wt))

@@ -118,10 +118,10 @@ class Loop:
             text = cfg.read_text()
             if 'method = "ar"' not in text:
                 cfg.write_text(text.replace('method = "sd"', 'method = "ar"'))
-            r = git.Repo(wt)
-            r.git.add(self.ws.config.config_file)
-            r.index.commit("reference: the AR baseline (stock with method = ar)")
-            repo.create_head(AR_BRANCH, r.head.commit.hexsha)
+            g = self.ws.worktree_git("_ar")
+            g.add(self.ws.config.config_file)
+            g.commit("-q", "-m", "reference: the AR baseline (stock with method = ar)")
+            repo.create_head(AR_BRANCH, g.rev_parse("HEAD").strip())
 
     def base_commit(self) -> str:
         return self.ws.rev(BASE_BRANCH)
@@ -275,7 +275,7 @@ class Loop:
             self.ws.memory.record_event(kind, f"{branch}: {message}", {"branch_id": b.id, **payload})
 
         ctx = AgentContext(branch, self.ws.worktree_path(branch), d, gaps["breakdown"]["gaps"], visible,
-                           self._smoke(branch), log, q, stop)
+                           self._smoke(branch), log, q, stop, git_common_dir=Path(self.ws.repo.git_dir))
         self.ws.begin_evaluation(b, "running")
         try:
             return agent.run(ctx)
@@ -433,7 +433,7 @@ class Loop:
             else:
                 self.ws.create_branch(name, base=base, agent="integrator",
                                       direction="+".join(a["direction"] for a in kept), round_id=round_id)
-            wt = git.Repo(self.ws.worktree_path(name))
+            wt = self.ws.worktree_git(name)
             merged, skipped = [], []
             for a in kept:
                 ok, why = merge_branch(wt, a["branch"], self.ws.config.config_file)
@@ -551,24 +551,24 @@ def best_round(rounds: list[dict], final: str, stock: str) -> int | None:
     return None
 
 
-def merge_branch(wt: git.Repo, branch: str, config_file: str) -> tuple[bool, str]:
+def merge_branch(wt: git.Git, branch: str, config_file: str) -> tuple[bool, str]:
     """Merge `branch` into the worktree's HEAD; a conflict confined to the TOML config is merged key by key."""
     try:
-        wt.git.merge("--no-ff", "--no-edit", "-m", f"integrate {branch}", branch)
+        wt.merge("--no-ff", "--no-edit", "-m", f"integrate {branch}", branch)
         return True, ""
     except git.GitCommandError:
         pass
-    conflicted = wt.git.diff("--name-only", "--diff-filter=U").splitlines()
+    conflicted = wt.diff("--name-only", "--diff-filter=U").splitlines()
     if conflicted != [config_file]:
-        wt.git.merge("--abort")
+        wt.merge("--abort")
         return False, f"conflicts in {', '.join(conflicted) or 'the tree'}"
-    base_sha = wt.git.merge_base("HEAD", branch)
+    base_sha = wt.merge_base("HEAD", branch)
     from decoder.config import DecodeConfig
 
     try:
-        b, o, t = (tomllib.loads(wt.git.show(f"{ref}:{config_file}")) for ref in (base_sha, "HEAD", branch))
+        b, o, t = (tomllib.loads(wt.show(f"{ref}:{config_file}")) for ref in (base_sha, "HEAD", branch))
     except tomllib.TOMLDecodeError as e:
-        wt.git.merge("--abort")
+        wt.merge("--abort")
         return False, f"{config_file} is not TOML on one side ({e})"
     b, o, t = (x.get("decode", x) for x in (b, o, t))  # DecodeConfig's table
     merged = {}
@@ -579,14 +579,14 @@ def merge_branch(wt: git.Repo, branch: str, config_file: str) -> tuple[bool, str
         elif ov == bv:
             merged[k] = tv
         else:
-            wt.git.merge("--abort")
+            wt.merge("--abort")
             return False, f"both set {k} ({ov!r} vs {tv!r})"
     try:
         cfg = DecodeConfig(**{k: v for k, v in merged.items() if v is not None})
     except Exception as e:  # noqa: BLE001 - ConfigError or an unknown key: not mergeable
-        wt.git.merge("--abort")
+        wt.merge("--abort")
         return False, f"merged config is invalid: {e}"
-    cfg.save(Path(wt.working_tree_dir) / config_file)
-    wt.git.add(config_file)
-    wt.git.commit("--no-edit", "-m", f"integrate {branch} ({config_file} merged key by key)")
+    cfg.save(Path(wt.working_dir) / config_file)
+    wt.add(config_file)
+    wt.commit("--no-edit", "-m", f"integrate {branch} ({config_file} merged key by key)")
     return True, "config merged key by key"

@@ -30,6 +30,7 @@ from pathlib import Path
 import git
 
 from store import Branch, Memory
+from workbench.safegit import SafeGitError, worktree_admin_dir, worktree_git
 
 STOCK_TAG = "stock"
 MANUAL_ROUND = "manual"  # branches made by hand (`specpilot branch create`) belong to the round in this status
@@ -185,6 +186,13 @@ class Workspace:
     def worktree_path(self, name: str) -> Path:
         return self.state / "worktrees" / name
 
+    def worktree_git(self, name: str) -> git.Git:
+        """Git for a branch's (or an internal) worktree, never configured by the worktree's own `.git`."""
+        try:
+            return worktree_git(Path(self.repo.git_dir), self.worktree_path(name))
+        except SafeGitError as e:
+            raise WorkspaceError(str(e)) from None
+
     def find_branch(self, name: str) -> Branch | None:
         rows = [b for b in self.memory.list_branches() if b.name == name and b.status != "removed"]
         return rows[-1] if rows else None
@@ -215,8 +223,10 @@ class Workspace:
     def detached_worktree(self, name: str, commit: str) -> Path:
         """An internal worktree (stock, AR reference, base, measurements) checked out at `commit`."""
         wt = self.worktree_path(name)
-        if (wt / ".git").exists():
-            git.Repo(wt).git.checkout("--detach", "--force", commit)
+        if wt.is_dir() and self._registered(wt):
+            g = self.worktree_git(name)
+            g.checkout("--detach", "--force", commit)
+            g.clean("-ffdx")  # nothing a previous run left (ignored files included) survives into this one
             return wt
         self.repo.git.worktree("prune")
         if wt.exists():
@@ -293,6 +303,13 @@ class Workspace:
             self.memory.record_event("workspace.recover", line)
         return done
 
+    def _registered(self, wt: Path) -> bool:
+        try:
+            worktree_admin_dir(Path(self.repo.git_dir), wt)
+        except SafeGitError:
+            return False
+        return True
+
     def _git_worktrees(self) -> list[str]:
         out = self.repo.git.worktree("list", "--porcelain")
         return [ln.split(" ", 1)[1] for ln in out.splitlines() if ln.startswith("worktree ")]
@@ -321,14 +338,12 @@ class Workspace:
 
     def changed_paths(self, name: str, base: str = STOCK_TAG) -> list[str]:
         """Paths a branch changes against `base` (committed), plus anything uncommitted in its worktree."""
-        committed = self.repo.git.diff("--name-only", f"{base}...{name}").splitlines()
-        wt = git.Repo(self.worktree_path(name))
-        dirty = [ln[3:] for ln in wt.git.status("--porcelain", "--untracked-files=all").splitlines()]
-        return sorted(set(committed) | {d.split(" -> ")[-1] for d in dirty})
+        committed = self.repo.git.diff("--no-ext-diff", "--name-only", f"{base}...{name}").splitlines()
+        return sorted(set(committed) | {d.split(" -> ")[-1] for d in self.uncommitted(name)})
 
     def uncommitted(self, name: str) -> list[str]:
-        wt = git.Repo(self.worktree_path(name))
-        return [ln[3:] for ln in wt.git.status("--porcelain", "--untracked-files=all").splitlines()]
+        out = self.worktree_git(name).status("--porcelain", "--untracked-files=all")
+        return [ln[3:] for ln in out.splitlines()]
 
     def protected_hits(self, paths: list[str]) -> list[str]:
         hits = []

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import git
+
+from workbench.safegit import worktree_git
+
 
 @dataclass
 class Direction:
@@ -46,6 +50,14 @@ class AgentContext:
     log: Callable[[str, str, dict[str, Any]], None]  # (kind, message, payload) into the store's ledger
     steering: queue.Queue[str] = field(default_factory=queue.Queue)  # engineer's messages, read each turn
     stop: threading.Event = field(default_factory=threading.Event)  # set: finish as soon as possible
+    # The main repository's git dir (trusted); None: the workspace layout's, WS/.git for
+    # WS/.specpilot/worktrees/NAME. Never discovered from the worktree's own `.git`, which the candidate controls.
+    git_common_dir: Path | None = None
+
+    def git(self) -> git.Git:
+        """Hardened git for this worktree (see `workbench.safegit`)."""
+        common = self.git_common_dir or self.worktree.parent.parent.parent / ".git"
+        return worktree_git(common, self.worktree)
 
 
 @dataclass

@@ -30,6 +30,7 @@ import git
 
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.agents.edits import EditError, apply_blocks, parse_blocks
+from workbench.safegit import SafeGitError
 
 ENV_PREFIX = "SPECPILOT_LLM_"
 LOCAL_API_KEY = "EMPTY"  # what local servers (vLLM, llama.cpp, Ollama) accept when they check no key
@@ -459,7 +460,7 @@ class _Session:
         self.agent, self.cfg, self.ctx = agent, agent.config, ctx
         self.secrets = tuple(s for s in (self.cfg.api_key,) if s and s != LOCAL_API_KEY)
         self.tools = WorktreeTools(ctx.worktree)
-        self.repo: git.Repo | None = None
+        self.repo: git.Git | None = None
         self.start_head = ""
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                                {"role": "user", "content": opening_message(ctx)}]
@@ -475,13 +476,13 @@ class _Session:
 
     def run(self) -> AgentResult:
         try:
-            self.repo = git.Repo(self.ctx.worktree)
-            self.start_head = self.repo.head.commit.hexsha
-        except (git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError):
+            self.repo = self.ctx.git()
+            self.start_head = self.repo.rev_parse("HEAD").strip()
+        except (SafeGitError, git.GitCommandError, OSError):
             return AgentResult(False, f"{self.ctx.worktree} is not a git worktree with a commit; nothing done")
         try:
-            branch = self.repo.active_branch.name
-        except TypeError:
+            branch = self.repo.symbolic_ref("--short", "HEAD").strip()
+        except git.GitCommandError:
             branch = "(detached HEAD)"
         if branch != self.ctx.branch:
             return AgentResult(False, f"worktree {self.ctx.worktree} is on {branch}, not branch {self.ctx.branch}; "
@@ -708,12 +709,15 @@ class _Session:
 
     def _git(self) -> git.Git:
         assert self.repo is not None
-        return self.repo.git
+        return self.repo
 
     def _git_env(self) -> dict[str, str]:
         assert self.repo is not None
-        reader = self.repo.config_reader()
-        return {} if reader.has_option("user", "email") else COMMIT_IDENTITY
+        try:
+            self.repo.config("--get", "user.email")
+        except git.GitCommandError:
+            return COMMIT_IDENTITY
+        return {}
 
     def commit_wip(self) -> str | None:
         """Commit the worktree as is (for run_smoke, which runs the committed system); finish squashes these."""

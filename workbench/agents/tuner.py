@@ -19,8 +19,6 @@ import math
 import random
 from dataclasses import dataclass
 
-import git
-
 from decoder.config import ConfigError, DecodeConfig
 from decoder.mechanisms import REGISTRY
 from workbench.agents.base import AgentContext, AgentResult
@@ -189,9 +187,9 @@ class TunerAgent:
         win = alive[0]
         win.cfg.save(wt / self.ws.config.config_file)
         name = mechanism_name(win.changes)
-        repo = git.Repo(wt)
-        repo.git.add(self.ws.config.config_file)
-        repo.index.commit(f"tuner ({ctx.direction.family}): {name}\n\n{ratio:.3f}x the current config on the "
+        g = self.ws.worktree_git(ctx.branch)
+        g.add(self.ws.config.config_file)
+        g.commit("-q", "-m", f"tuner ({ctx.direction.family}): {name}\n\n{ratio:.3f}x the current config on the "
                           f"visible prompts (harness-timed, interleaved); source {win.source}")
         return AgentResult(True, f"{name}: {ratio:.2f}x on the visible prompts (paired)", mechanism=name,
                            summary=f"{ctx.direction.family}: set {win.changes} in system.toml (from {win.source})",
