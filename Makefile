@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo loop-demo bench-prose test test-slow lint train-demo train-drafters clean
+.PHONY: setup demo bench loop-demo test test-slow lint train-demo train-drafters clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,14 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The main job on the embedded demo: a workspace under build/, one round of the built-in tuner, the
+# kept mechanism with its forcing verdict, its patch, and the command that opens it in the TUI.
+DEMO_WS ?= build/demo-workspace
 demo: setup
+	$(VENV)/bin/specpilot demo --workspace $(DEMO_WS)
+
+# The decoding methods side by side on the demo's code and prose prompts (about 5 minutes).
+bench: setup
 	$(VENV)/bin/specpilot bench --deployment demo --prompts code --max-new-tokens 128
 	$(VENV)/bin/specpilot bench --deployment demo --prompts prose --max-new-tokens 128
 

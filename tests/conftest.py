@@ -61,6 +61,28 @@ def tiny_llama(vocab: int = 16, hidden: int = 32, layers: int = 2, seed: int = 0
     return model
 
 
+@pytest.fixture(scope="session")
+def tiny_fp32():
+    """A tiny random target and a drafter that agrees with it most of the time (its own weights, perturbed):
+    lossless sweeps run on these in the fast tier, since token identity with AR holds for any model. The
+    demo models stay for the few end-to-end tests and the slow tier."""
+    import copy
+
+    target = tiny_llama(vocab=96, hidden=64, layers=2, seed=3)
+    drafter = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
+    return target, drafter
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (24, 40, 9)]
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

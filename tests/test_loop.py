@@ -83,7 +83,7 @@ def test_config_conflicts_merge_key_by_key(ws):
     make_branch(ws, "cfg-b", {"system.toml": ("stop_at_eos = true", "stop_at_eos = false")}, "no eos")
     make_branch(ws, "cfg-c", {"system.toml": ("lean_forward = false", "lean_forward = false\n")}, "noop-ish")
     ws.create_branch("merge-into")
-    wt = git.Repo(ws.worktree_path("merge-into"))
+    wt = ws.worktree_git("merge-into")
     assert merge_branch(wt, "cfg-a", "system.toml")[0]
     ok, why = merge_branch(wt, "cfg-b", "system.toml")
     assert ok, why
@@ -96,13 +96,13 @@ def test_config_conflicts_merge_key_by_key(ws):
     ok, why = merge_branch(wt, "cfg-e", "system.toml")
     assert ok, why
     ws.create_branch("merge-clash")
-    wt2 = git.Repo(ws.worktree_path("merge-clash"))
+    wt2 = ws.worktree_git("merge-clash")
     make_branch(ws, "cfg-g", {"system.toml": ("draft_len = 3", "draft_len = 5")}, "k=5")
     make_branch(ws, "cfg-h", {"system.toml": ("draft_len = 3", "draft_len = 6")}, "k=6")
     assert merge_branch(wt2, "cfg-g", "system.toml")[0]
     ok, why = merge_branch(wt2, "cfg-h", "system.toml")
     assert not ok and "draft_len" in why
-    assert not wt2.is_dirty()  # the failed merge was aborted cleanly
+    assert not wt2.status("--porcelain", "--untracked-files=no").strip()  # the failed merge was aborted cleanly
 
 
 def test_headless_never_imports_textual():

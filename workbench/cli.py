@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_w12_parser(sub)  # `w12 stats`
 
+    from workbench.demo_cli import add_parser as add_demo_parser
+
+    add_demo_parser(sub)  # `demo`
+
     t = sub.add_parser("train", help="train models by the project's own recipes")
     t.add_argument("what", choices=("demo", "drafter"),
                    help="demo: tokenizer, target and draft model of the embedded demo; drafter: a block "

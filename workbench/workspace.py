@@ -405,12 +405,11 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
 
     The keyword arguments shrink it (fewer prompts, shorter forcing, tighter limits), e.g. for tests.
     """
-    import decoder
-    import kernels
-    from decoder.config import DecodeConfig
     from decoder.models import DEMO_DIR
 
-    path = Path(path) if path is not None else default_demo_path()
+    path = Path(path).absolute() if path is not None else default_demo_path()
+    if path.exists() and not path.is_dir():
+        raise WorkspaceError(f"{path} is a file; pick a new folder for the workspace")
     if path.exists() and any(path.iterdir()):
         raise WorkspaceError(f"{path} exists and is not empty; pick a new folder, or open it with "
                              f"--workspace {path} if it is already a workspace")
@@ -423,7 +422,36 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
         if not (DEMO_DIR / sub).exists():
             raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
                                  f"or reinstall specpilot")
-    path.mkdir(parents=True, exist_ok=True)
+    # Built in a sibling folder and renamed into place: a crash or a full disk leaves no half workspace.
+    final, path = path, path.parent / f".{path.name}.partial-{os.getpid()}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    try:
+        _build_demo(path, name=name, forcing_max_new_tokens=forcing_max_new_tokens, limits=limits, prompts=prompts,
+                    prompt_limit=prompt_limit, hidden=hidden)
+        if final.exists():
+            final.rmdir()  # an empty folder was allowed above; a non-empty one was refused
+        os.replace(path, final)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    ws = Workspace(final)
+    ws.deployment_id()
+    rows = [json.loads(ln) for ln in ws.hidden_prompts_path().read_text().splitlines() if ln.strip()]
+    ws.memory.record_event("workspace.init", f"demo workspace ({prompts} prompts) created at {final}",
+                           {"visible": len((final / "prompts" / "visible.jsonl").read_text().splitlines()),
+                            "hidden": len(rows), "stock": ws.stock_commit})
+    return ws
+
+
+def _build_demo(path: Path, *, name: str, forcing_max_new_tokens: int, limits: dict | None, prompts: str,
+                prompt_limit: int | None, hidden: int) -> None:
+    import decoder
+    import kernels
+    from decoder.config import DecodeConfig
+    from decoder.models import DEMO_DIR
+
     _copy_package(Path(decoder.__file__).parent, path / "decoder")
     _copy_package(Path(kernels.__file__).parent, path / "kernels")
     rows = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / f"{prompts}.jsonl").read_text().splitlines()
@@ -451,9 +479,6 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     repo.git.add("-A")
     repo.index.commit("stock: the demo system as shipped (decoder, kernels, config, visible prompts)")
     repo.create_tag(STOCK_TAG)
-    ws = Workspace(path)
-    ws.hidden_prompts_path().write_text("".join(json.dumps(r) + "\n" for r in hidden_rows))
-    ws.deployment_id()
-    ws.memory.record_event("workspace.init", f"demo workspace ({prompts} prompts) created at {path}",
-                           {"visible": len(visible), "hidden": len(hidden_rows), "stock": ws.stock_commit})
-    return ws
+    repo.close()
+    (path / ".specpilot").mkdir()
+    (path / ".specpilot" / "hidden.jsonl").write_text("".join(json.dumps(r) + "\n" for r in hidden_rows))

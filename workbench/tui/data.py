@@ -21,6 +21,7 @@ import git
 
 from store import Event, ForcingReport, Mechanism
 from store.migrations import GAP_FAMILIES
+from workbench.safegit import worktree_git
 from workbench.workspace import MANUAL_ROUND, STOCK_TAG, Workspace, WorkspaceError
 
 BASE_BRANCH = "base"  # the loop's integration branch (workbench.loop.BASE_BRANCH)
@@ -233,7 +234,7 @@ def export_accepted(ws: Workspace, out: Path) -> list[Path]:
 
 def branch_diff(ws: Workspace, branch: str) -> str:
     ws.branch(branch)  # a clear error for an unknown branch
-    text = git.Repo(ws.path).git.diff(f"{STOCK_TAG}...{branch}")
+    text = git.Repo(ws.path).git.diff("--no-ext-diff", f"{STOCK_TAG}...{branch}")
     return text or f"(branch {branch} makes no change against stock)"
 
 
@@ -254,7 +255,7 @@ def merge_into_base(ws: Workspace, branch: str) -> str:
         except git.GitCommandError as e:
             raise WorkspaceError(f"cannot check out {BASE_BRANCH} to merge into it: "
                                  f"{(e.stderr or str(e)).strip().splitlines()[-1]}") from None
-        ok, why = merge_branch(git.Repo(wt), branch, ws.config.config_file)
+        ok, why = merge_branch(worktree_git(Path(repo.git_dir), wt), branch, ws.config.config_file)
         if not ok:
             raise WorkspaceError(f"merge of {branch} into {BASE_BRANCH} failed: {why}; nothing changed")
         after = repo.commit(BASE_BRANCH).hexsha

@@ -1,0 +1,68 @@
+"""`specpilot demo` (what `make demo` runs): one tuner round on the demo, its result in a few lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+
+from tests.conftest import needs_demo
+
+
+def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workbench.cli", "demo", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("minutes", ["nan", "0", "-3", "inf"])
+def test_bad_budget_is_one_line_exit_2(minutes):
+    r = _demo("--budget-minutes", minutes, "--workspace", "/nonexistent/x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+    assert "--budget-minutes" in r.stderr
+
+
+def test_workspace_on_a_file_or_read_only_folder_is_one_line(tmp_path: Path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _demo("--workspace", str(f / "ws"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "demo workspace" in r.stderr, r.stderr
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores permission bits: nothing to check
+            pytest.skip("running as a user that can write a read-only folder (root)")
+        r = _demo("--workspace", str(ro / "ws"))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert not (ro / "ws").exists()
+    finally:
+        ro.chmod(0o700)
+
+
+@needs_demo
+@pytest.mark.slow
+def test_demo_runs_a_round_and_prints_result_patch_and_tui_command(tmp_path: Path):
+    ws = tmp_path / "demo-ws"
+    r = _demo("--workspace", str(ws), timeout=1500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.strip().splitlines()
+    assert out[0].startswith("demo: stock ") and "-> final" in out[0], out
+    assert any(ln.startswith("kept") and "0 real mismatches" in ln for ln in out), out
+    assert out[-1] == f"open it: specpilot-tui --workspace {ws}", out
+    patch_line = next(ln for ln in out if ln.startswith("patch: "))
+    patches = sorted(Path(patch_line.split()[1].rstrip("/")).glob("*.patch"))
+    assert patches
+    clone = tmp_path / "clone"
+    git.Repo.clone_from(str(ws), clone, branch="main")
+    repo = git.Repo(clone)
+    repo.git.checkout("stock")
+    with repo.config_writer() as w:
+        w.set_value("user", "name", "T").set_value("user", "email", "t@localhost")
+    repo.git.am(*map(str, patches))
+    # A second run finds the round done and prints the same result without measuring again.
+    again = _demo("--workspace", str(ws), timeout=600)
+    assert again.returncode == 0 and again.stdout.splitlines()[0] == out[0], again.stderr[-2000:]

@@ -1,0 +1,127 @@
+"""`specpilot demo`: the product's main job in one command, on the embedded demo deployment.
+
+Creates the demo workspace (once), runs one round of the loop headless with the built-in tuner, exports
+what it kept as a `git am` series and prints the result in a few lines:
+
+    stock -> final speedup over AR with 95% intervals,
+    the kept mechanism and its forcing verdict (positions checked, real mismatches),
+    where the patch is, and the command that opens the workspace in `specpilot-tui`.
+
+Running it again on the same workspace resumes an interrupted round, or prints the finished one.
+Exit status: 0 done, 2 usage, 3 budget ended first, 4 interrupted (resumable), 5 internal failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from workbench.cli_util import fail, positive_int
+
+EXIT_OK, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 3, 4, 5
+DEFAULT_WORKSPACE = "build/demo-workspace"
+PATCH_DIR = "patches"  # under the workspace's .specpilot/ state: never committed, never seen by agents
+
+
+def _progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _x(v: float | None, ci: list[float] | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def _forcing_line(ws, branch: str) -> str:
+    """The latest forcing verdict of `branch` from the store: positions checked, real mismatches, near ties."""
+    b = ws.find_branch(branch)
+    reports = ws.memory.list_forcing_reports(b.id) if b is not None else []
+    if not reports:
+        return "forcing: no report"
+    r = reports[-1]
+    real, near = r.details.get("unexplained", "?"), r.details.get("near_ties", 0)
+    return (f"forcing: {r.positions_checked} positions checked, {real} real mismatches"
+            + (f" ({near} near ties within the noise floor)" if near else ""))
+
+
+def summary_lines(ws, summary: dict, patches: list[Path]) -> list[str]:
+    """The few lines `specpilot demo` ends with (also used by its tests)."""
+    lines = [f"{summary['deployment']}: stock {_x(summary['stock_speedup'], summary['stock_ci95'])} over AR -> "
+             f"final {_x(summary['final_speedup'], summary['final_ci95'])} "
+             f"({summary['improvement']:.2f}x stock) in {summary['minutes']:.1f} min"
+             if summary.get("improvement") else
+             f"{summary['deployment']}: stock {_x(summary['stock_speedup'], summary['stock_ci95'])} over AR; "
+             f"no final measurement ({summary['status']})"]
+    kept = [a for r in summary["rounds"] for a in r["attempts"] if a["status"] == "keep"]
+    merged = {b for r in summary["rounds"] for b in (r.get("integration") or {}).get("merged", [])}
+    for a in kept:
+        tag = "kept and merged" if a["branch"] in merged else "kept"
+        lines.append(f"{tag}: {a['mechanism'] or a['branch']} ({a['direction']}), "
+                     f"{a['speedup']:.2f}x over its base; {_forcing_line(ws, a['branch'])}")
+    if not kept:
+        lines.append("kept: nothing this round beat the base beyond the noise; "
+                     f"more rounds: specpilot-tui --auto --workspace {shlex.quote(str(ws.path))} --rounds 3")
+    if patches:
+        lines.append(f"patch: {patches[0].parent}/ ({len(patches)} file(s); `git am` applies them to stock)")
+    lines.append(f"open it: specpilot-tui --workspace {shlex.quote(str(ws.path))}")
+    return lines
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from workbench.cli import _quiet_transformers
+    from workbench.export import export
+    from workbench.loop import Loop, LoopOptions
+    from workbench.workspace import Workspace, WorkspaceError, init_demo
+
+    if not args.budget_minutes > 0 or args.budget_minutes == float("inf"):
+        return fail(f"--budget-minutes {args.budget_minutes:g}: must be a positive number of minutes")
+    path = Path(args.workspace)
+    try:
+        if not (path / "specpilot.toml").exists():
+            _progress(f"creating the demo workspace at {path}")
+            init_demo(path)
+        ws = Workspace(path)
+    except (WorkspaceError, OSError) as e:
+        return fail(f"demo workspace {path}: {e}".splitlines()[0])
+
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    _quiet_transformers()
+    opts = LoopOptions(rounds=args.rounds, agents=1, agent="tuner", budget_minutes=args.budget_minutes,
+                       use_global_memory=False, auto_accept=True)
+    try:
+        summary = Loop(ws, opts, progress=_progress).run()
+        accepted = ws.memory.list_mechanisms(status="accepted")
+        out = ws.state / PATCH_DIR
+        if out.exists():
+            for old in out.glob("*.patch"):
+                old.unlink()
+        patches = export(ws, accepted, out) if accepted else []
+        print("\n".join(summary_lines(ws, summary, patches)))
+    except KeyboardInterrupt as e:
+        _progress(f"interrupted ({e or 'SIGINT'}); run the same command again to resume the round")
+        return EXIT_INTERRUPTED
+    except WorkspaceError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback; the store keeps the details
+        print(f"error: demo failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        ws.close()
+    return EXIT_BUDGET if summary["status"] == "budget" else EXIT_OK
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("demo", help="the main job on the embedded demo: one tuner round, its result and patch")
+    d.add_argument("--workspace", default=DEFAULT_WORKSPACE,
+                   help=f"demo workspace folder (default: {DEFAULT_WORKSPACE}; created on first use)")
+    d.add_argument("--rounds", type=positive_int, default=1, help="loop rounds (default 1)")
+    d.add_argument("--budget-minutes", type=float, default=15.0, help="time budget (default 15)")
+    d.set_defaults(func=_cmd_demo)
