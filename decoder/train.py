@@ -49,6 +49,9 @@ class LMSpec:
     checkpoint_every: int = 50
     init_from: str | None = None  # a previous stage's name: start from its final weights
     include_tests: bool = False  # also train on the standard library's test suites
+    # Token-level unlikelihood (Welleck et al., 2019): this weight times -log(1 - p(c)) summed over the
+    # tokens c already in the context (the true next token excepted); discourages greedy loops.
+    unlikelihood: float = 0.0
 
 
 @dataclass
@@ -181,6 +184,19 @@ def optimizer_step(model, opt, loss: torch.Tensor) -> None:
     opt.step()
 
 
+def unlikelihood_loss(logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of -sum_c log(1 - p(c)), c over the tokens seen so far other than the target.
+
+    logits [B, T, V] predict y [B, T] from the inputs x[:, :t+1]."""
+    seen = torch.zeros(logits.shape, dtype=torch.uint8)
+    seen.scatter_(2, x.unsqueeze(-1), 1)
+    seen = torch.cummax(seen, dim=1).values  # [B, T, V]: token v occurred in x[:, :t+1]
+    seen.scatter_(2, y.unsqueeze(-1), 0)
+    p = torch.softmax(logits, dim=-1)
+    penalty = -torch.log((1 - p).clamp_min(1e-5)) * seen
+    return penalty.sum(-1).mean()
+
+
 @torch.no_grad()
 def evaluate_loss(model, data: np.ndarray, seq_len: int = 512, max_windows: int = 64) -> float:
     """Mean next-token cross-entropy over non-overlapping validation windows."""
@@ -253,6 +269,8 @@ def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, wor
         logits = logits.float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss = ce
+        if spec.unlikelihood:
+            loss = loss + spec.unlikelihood * unlikelihood_loss(logits, x, y)
         if teacher is not None:
             with torch.no_grad():
                 t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), dim=-1)
@@ -298,7 +316,8 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
                only: str | None = None) -> dict:
     """Run the whole demo recipe: prompts, tokenizer, target, drafter. Each finished stage is kept."""
     recipe = recipe or DemoRecipe()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # Every core unless OMP_NUM_THREADS says otherwise (e.g. 1, to train two things side by side).
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)))
     work_dir.mkdir(parents=True, exist_ok=True)
     out_root.mkdir(parents=True, exist_ok=True)
     docs = all_documents()

@@ -10,8 +10,9 @@ import torch
 
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 
-# Tests share two cores with nothing else; more threads than cores only adds spin-wait contention.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: CI's two cores are often shared with other work, and OpenMP threads that spin-wait
+# for a busy core make a loaded run many times slower; subprocesses (the harness) use one thread too.
+torch.set_num_threads(1)
 
 
 def demo_available() -> bool:

@@ -150,16 +150,28 @@ def test_cached_outputs_pass_visible_and_fail_hidden(ws):
     assert {m["split"] for m in rep["mismatches"]} == {"hidden"}
 
 
-def test_a_branch_that_never_returns_is_killed_and_recorded_as_a_crash(ws):
+def test_a_branch_that_never_returns_is_killed_and_recorded_as_a_crash(ws, monkeypatch):
+    monkeypatch.setitem(ws.config.limits, "request_s", 5)  # stock answers a request in well under 1 s
     make_branch(ws, "spinner", {"decoder/generate.py": patch_generate("while True:\n    pass")}, "spin")
     t0 = time.perf_counter()
     rep = force(ws, "spinner", progress=False)
     assert rep["status"] == "crash" and rep["reason"].startswith("timeout:")
     assert "\n" not in rep["reason"]
-    assert time.perf_counter() - t0 < 200  # the limit is 20 s per request: it was not waited out forever
+    assert time.perf_counter() - t0 < 200  # the limit is 5 s per request: it was not waited out forever
     b = ws.branch("spinner")
     assert b.status == "crashed"
     assert ws.memory.list_evaluations(b.id)[-1].status == "crash"
+
+
+def test_a_protocol_line_without_end_is_capped_and_the_branch_crashes(ws):
+    make_branch(ws, "flood", {"decoder/generate.py": patch_generate(
+        "import gc, io\n"  # serve's protocol stream (stdout itself is redirected to the log)
+        "for f in [o for o in gc.get_objects() if isinstance(o, io.TextIOWrapper) and 'w' in o.mode]:\n"
+        "    if f.fileno() > 2:\n"
+        "        f.write('7' * (6 << 20)); f.flush()")}, "a 6 MiB line on the protocol pipe")
+    rep = force(ws, "flood", progress=False)
+    assert rep["status"] == "crash" and rep["reason"].startswith("protocol:"), rep["reason"]
+    assert "MiB" in rep["reason"]
 
 
 def test_a_branch_that_allocates_without_bound_is_stopped_by_the_memory_limit(ws):
@@ -312,7 +324,8 @@ def test_export_then_git_am_on_a_fresh_clone_reproduces_the_mechanism(ws, tmp_pa
 def test_the_candidate_environment_has_no_secrets(monkeypatch, tmp_path):
     from workbench.harness import clean_env
 
-    for k in ("OPENAI_API_KEY", "GITHUB_TOKEN", "MY_SERVICE_TOKEN", "DB_PASSWORD", "AWS_ACCESS_KEY_ID"):
+    for k in ("OPENAI_API_KEY", "GITHUB_TOKEN", "MY_SERVICE_TOKEN", "DB_PASSWORD", "AWS_ACCESS_KEY_ID",
+              "AZURE_OPENAI_KEY", "MISTRAL_KEY", "GH_PAT", "DATABASE_URL", "SPECPILOT_LLM_API_KEY"):
         monkeypatch.setenv(k, "secret")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     env = clean_env(tmp_path, threads=1)

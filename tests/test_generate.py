@@ -9,8 +9,6 @@ from decoder.config import DecodeConfig
 from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.generate import ar_generate, crop_cache, speculative_generate
 
-pytestmark = needs_demo
-
 
 def _cfg(**kw) -> DecodeConfig:
     base = dict(max_new_tokens=48, dtype="float32", stop_at_eos=False)
@@ -18,9 +16,20 @@ def _cfg(**kw) -> DecodeConfig:
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
-def test_greedy_sd_token_identical_to_ar_fp32(demo_fp32, demo_prompts, drafter):
-    target, draft_model = demo_fp32
-    for prompt in demo_prompts:
+def test_greedy_sd_token_identical_to_ar_fp32(tiny_fp32, tiny_prompts, drafter):
+    _sweep(tiny_fp32, tiny_prompts, drafter)
+
+
+@needs_demo
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_greedy_sd_token_identical_to_ar_fp32_demo(demo_fp32, demo_prompts, drafter):
+    _sweep(demo_fp32, demo_prompts, drafter)
+
+
+def _sweep(pair, prompts, drafter: str) -> None:
+    target, draft_model = pair
+    for prompt in prompts:
         ref = ar_generate(target, prompt, _cfg(method="ar")).tokens
         assert len(ref) == 48
         for k in range(1, 9):
@@ -30,6 +39,7 @@ def test_greedy_sd_token_identical_to_ar_fp32(demo_fp32, demo_prompts, drafter):
             assert g.stats.tau >= 1.0
 
 
+@needs_demo
 def test_draft_model_is_accepted_often(demo_fp32, demo_prompts):
     """The trained pair must agree well enough to be worth drafting with (not a speed claim)."""
     target, draft_model = demo_fp32
@@ -38,6 +48,7 @@ def test_draft_model_is_accepted_often(demo_fp32, demo_prompts):
     assert sum(g.stats.accept_hist.values()) == g.stats.draft_steps
 
 
+@needs_demo
 def test_stops_at_eos_and_max_new_tokens(demo_fp32, demo_prompts):
     target, draft_model = demo_fp32
     cfg = _cfg(draft_len=8, max_new_tokens=5)
@@ -48,6 +59,7 @@ def test_stops_at_eos_and_max_new_tokens(demo_fp32, demo_prompts):
     assert eos not in ref[:-1]
 
 
+@needs_demo
 @torch.inference_mode()
 def test_cache_rollback_is_exact(demo_fp32, demo_prompts):
     """Verify a rejected draft, crop back, continue: bit-identical to a cache that never saw the draft."""
@@ -70,6 +82,7 @@ def test_cache_rollback_is_exact(demo_fp32, demo_prompts):
     assert torch.equal(run(torch.tensor([[11, 12, 13, 14, 15]])), run(None))
 
 
+@needs_demo
 def test_drafter_cache_tracks_committed_sequence(demo_fp32, demo_prompts):
     """After every step the draft model's cache holds exactly a prefix of the committed tokens."""
     target, draft_model = demo_fp32

@@ -9,9 +9,8 @@ from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.generate import HFRunner, ar_generate, crop_cache, speculative_generate
 from decoder.lean import LeanLM, LeanUnsupported
 
-pytestmark = needs_demo
 
-
+@needs_demo
 @pytest.mark.parametrize("pair", ["demo_fp32", "demo_bf16"])
 def test_logits_match_hf(pair, request, demo_prompts):
     """Prefill, a verify block and a decode step: equal to HF's logits within bf16's spacing."""
@@ -26,11 +25,22 @@ def test_logits_match_hf(pair, request, demo_prompts):
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
-def test_lean_sd_token_identical_to_ar_fp32(demo_fp32, demo_prompts, drafter):
-    target, draft_model = (LeanLM(m) for m in demo_fp32)
+def test_lean_sd_token_identical_to_ar_fp32(tiny_fp32, tiny_prompts, drafter):
+    _lean_sweep(tiny_fp32, tiny_prompts[:2], drafter)
+
+
+@needs_demo
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_lean_sd_token_identical_to_ar_fp32_demo(demo_fp32, demo_prompts, drafter):
+    _lean_sweep(demo_fp32, demo_prompts[:2], drafter)
+
+
+def _lean_sweep(pair, prompts, drafter: str) -> None:
+    target, draft_model = (LeanLM(m) for m in pair)
     cfg = DecodeConfig(max_new_tokens=40, dtype="float32", stop_at_eos=False)
-    for prompt in demo_prompts[:2]:
-        ref = ar_generate(demo_fp32[0], prompt, DecodeConfig(**{**cfg.as_dict(), "method": "ar"})).tokens
+    for prompt in prompts:
+        ref = ar_generate(pair[0], prompt, DecodeConfig(**{**cfg.as_dict(), "method": "ar"})).tokens
         assert ar_generate(target, prompt, DecodeConfig(**{**cfg.as_dict(), "method": "ar"})).tokens == ref
         for k in range(1, 9):
             d = DraftModelDrafter(draft_model) if drafter == "draft-model" else NgramDrafter(4, 1)
@@ -38,6 +48,7 @@ def test_lean_sd_token_identical_to_ar_fp32(demo_fp32, demo_prompts, drafter):
             assert speculative_generate(target, d, prompt, c).tokens == ref, k
 
 
+@needs_demo
 @torch.inference_mode()
 def test_lean_cache_rollback_is_exact(demo_fp32, demo_prompts):
     lean = LeanLM(demo_fp32[0])
@@ -55,6 +66,7 @@ def test_lean_cache_rollback_is_exact(demo_fp32, demo_prompts):
     assert torch.equal(run(torch.tensor([11, 12, 13, 14, 15])), run(None))
 
 
+@needs_demo
 def test_generate_dispatches_lean(demo_fp32, demo_prompts):
     from decoder.generate import generate
 
@@ -74,6 +86,7 @@ def test_buffer_overflow_and_unsupported_model_are_clear():
         LeanLM(model)
 
 
+@needs_demo
 def test_static_step_matches_lean_and_buckets(demo_fp32, demo_prompts):
     """The bucketed static step (CUDA-graph path, run eagerly here): logits as LeanLM's, any width."""
     from decoder.lean import StaticLeanLM, bucket_for
@@ -96,6 +109,7 @@ def test_static_step_matches_lean_and_buckets(demo_fp32, demo_prompts):
         static.forward(torch.arange(5), StaticLeanLM(LeanLM(demo_fp32[0]), max_len=4, use_graphs=False).new_cache())
 
 
+@needs_demo
 def test_static_sd_token_identical_fp32(demo_fp32, demo_prompts):
     from decoder.generate import generate
 

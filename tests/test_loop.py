@@ -43,6 +43,7 @@ def test_a_branch_that_skips_verification_is_discarded_by_forcing(ws, ceiling):
     assert att.status == "discard" and att.reason.startswith("forcing:"), att.reason
 
 
+@pytest.mark.slow  # the harness-level twin, test_forcing's test_patching_the_clock_gains_no_measured_speed, is fast
 def test_a_branch_that_patches_the_timer_gains_nothing(ws, ceiling):
     make_branch(ws, "timer", {"decoder/generate.py": patch_generate(
         "import time\ntime.perf_counter = time.monotonic = time.time = lambda: 0.0")}, "instant clock")

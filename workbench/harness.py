@@ -5,7 +5,8 @@ run code at start-up. So the harness trusts only the tokens it returns, and take
 itself, around the request/answer pair on the pipe. The process runs
 
 - with its worktree first on the import path and as its working directory,
-- with an environment stripped of secrets (`*_API_KEY`, `*_TOKEN`, `*SECRET*`, `*PASSWORD*`, ...),
+- with an allow-listed environment (`CANDIDATE_ENV_ALLOW`: locale, PATH, thread counts, device
+  selection), so no secret reaches it whatever its name; protocol lines are capped in length,
 - under a time limit per request and for start-up, and a memory limit on the resident set of its
   whole process tree (polled from outside, with an address-space rlimit as a backstop),
 - in its own session: on a limit or at the end the whole process group is killed (and, sandboxed,
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-SECRET_ENV = re.compile(r"(_API_KEY|_TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
-SECRET_PREFIXES = ("AWS_", "OPENAI_", "ANTHROPIC_", "HF_TOKEN", "GITHUB_", "SSH_AUTH")
 NO_SANDBOX_WARNING = ("NO SANDBOX: the candidate ran with this user's full file-system and network access "
                       "(unshare with user namespaces is unavailable here); its isolation is NOT enforced")
 _INIT = Path(__file__).with_name("_sandbox_init.py")
@@ -81,11 +79,17 @@ def sandbox_status() -> tuple[bool, str]:
     return True, "unshare: user, mount, network and PID namespaces"
 
 
+# The only variables of the workbench's environment a candidate sees (an allow-list: a secret under a
+# name nobody thought of, e.g. AZURE_OPENAI_KEY or DATABASE_URL, never reaches it).
+CANDIDATE_ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
+                       "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TRITON_INTERPRET", "OPENBLAS_CORETYPE",
+                       "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+MAX_PROTOCOL_LINE = 4 * 2**20  # bytes: a longer line from the system is a protocol violation, not buffered
+
+
 def clean_env(worktree: Path, threads: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The candidate's environment: this one without secrets, the worktree first on the import path."""
-    env = {k: v for k, v in os.environ.items()
-           if not SECRET_ENV.search(k) and not k.startswith(SECRET_PREFIXES)
-           and not k.startswith(("PYTHON", "SPECPILOT_", "VIRTUAL_ENV"))}
+    """The candidate's environment: an allow-list of this one, the worktree first on the import path."""
+    env = {k: v for k, v in os.environ.items() if k in CANDIDATE_ENV_ALLOW}
     env.update({"PYTHONPATH": str(worktree), "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
                 "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "HOME": "/tmp", "TMPDIR": "/tmp"})
@@ -289,6 +293,9 @@ class SystemProcess:
         if self._killed == "memory":
             return SystemCrash("memory", f"resident memory {self.peak_rss / 2**20:.0f} MiB passed the "
                                          f"{self.limits.memory_mb} MiB limit {when}; process group killed")
+        if self._killed == "protocol":
+            return SystemCrash("protocol", f"the system sent a line over {MAX_PROTOCOL_LINE // 2**20} MiB {when}; "
+                                           f"process group killed")
         rc = self.proc.returncode if self.proc else None
         tail = self._log_tail()
         if rc is not None and rc < 0:
@@ -308,7 +315,13 @@ class SystemProcess:
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:
+        while True:
+            raw = self.proc.stdout.readline(MAX_PROTOCOL_LINE + 1)
+            if not raw:
+                break
+            if len(raw) > MAX_PROTOCOL_LINE:
+                self.kill("protocol")
+                break
             try:
                 obj = json.loads(raw)
             except ValueError:
