@@ -59,12 +59,9 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
                                         "rejected": "rejected"}[status], head_commit=ws.head(branch))
         return Attempt(status, reason, **kw)
 
-    dirty = ws.uncommitted(branch)
-    if dirty:
-        return stage("guard", "rejected", f"uncommitted changes ({', '.join(dirty[:3])})")
-    hits = ws.protected_hits(ws.changed_paths(branch))
-    if hits:
-        return stage("guard", "rejected", f"touches protected path(s) {', '.join(hits[:3])}; not run")
+    why = ws.guard(branch)
+    if why:
+        return stage("guard", "rejected", why)
 
     ok, msg = smoke_run(ws, ws.worktree_path(branch), branch)
     if not ok:

@@ -183,13 +183,9 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
 
     if record:
         ws.begin_evaluation(b)
-    dirty = ws.uncommitted(branch)
-    if dirty:
-        return finish("rejected", f"uncommitted changes in the worktree ({', '.join(dirty[:3])}); "
-                                  f"commit them so the evaluated code is a commit", None)
-    hits = ws.protected_hits(ws.changed_paths(branch))
-    if hits:
-        return finish("rejected", f"touches protected path(s) {', '.join(hits[:3])}; not run", None)
+    why = ws.guard(branch)
+    if why:
+        return finish("rejected", why, None)
 
     ref = stock_reference(ws, progress)
     tok = load_tokenizer(ws.config.tokenizer)

@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,13 +348,61 @@ class Workspace:
         return [ln[3:] for ln in out.splitlines()]
 
     def protected_hits(self, paths: list[str]) -> list[str]:
+        """Paths that touch a protected one, or would be imported in its place: for `pkg/mod.py` also a
+        package `pkg/mod/`, `pkg/mod.<anything>` (a .so, a .pyc) and `pkg/__pycache__/mod.*`."""
         hits = []
         for p in paths:
             for rule in self.config.protected:
-                if p == rule or (rule.endswith("/") and p.startswith(rule)):
+                shadows = ()
+                if rule.endswith(".py"):
+                    head, _, mod = rule[:-3].rpartition("/")
+                    pre = f"{head}/" if head else ""
+                    shadows = (f"{pre}{mod}/", f"{pre}{mod}.", f"{pre}__pycache__/{mod}.")
+                if p == rule or (rule.endswith("/") and p.startswith(rule)) or (shadows and p.startswith(shadows)):
                     hits.append(p)
                     break
         return hits
+
+    def guard(self, name: str) -> str | None:
+        """Why a branch may not run (None: it may). The evaluated tree is exactly its committed sources:
+        no uncommitted or untracked files, no protected path (or its shadow), no committed bytecode,
+        binaries or files under stock's ignored paths; ignored files left in the worktree are deleted."""
+        dirty = self.uncommitted(name)
+        if dirty:
+            return (f"uncommitted changes in the worktree ({', '.join(dirty[:3])}); commit them so the "
+                    f"evaluated code is a commit")
+        changed = self.changed_paths(name)
+        hits = self.protected_hits(changed)
+        if hits:
+            return f"touches protected path(s) {', '.join(hits[:3])}; not run"
+        present = set(self.worktree_git(name).ls_files("-z").split("\0")) - {""}
+        added = [p for p in changed if p in present]
+        binary = [p for p in added if p.endswith(BINARY_SUFFIXES) or "__pycache__" in p.split("/")]
+        ignored = self._ignored_by_stock(added)
+        if binary or ignored:
+            return (f"commits bytecode, binaries or ignored paths ({', '.join((binary + ignored)[:3])}); "
+                    f"only tracked sources are evaluated")
+        self.worktree_git(name).clean("-ffdX")  # e.g. __pycache__ written by an earlier run: never reused
+        return None
+
+    def _ignored_by_stock(self, paths: list[str]) -> list[str]:
+        """Which of `paths` stock's .gitignore ignores (its rules read from the stock commit, checked in a
+        scratch repository of ours, never in the candidate's worktree)."""
+        if not paths:
+            return []
+        try:
+            rules = self.repo.git.show(f"{STOCK_TAG}:.gitignore")
+        except git.GitCommandError:
+            return []
+        scratch = Path(tempfile.mkdtemp(prefix="specpilot-ignore-"))
+        try:
+            git.Repo.init(scratch).close()
+            (scratch / ".gitignore").write_text(rules + "\n")
+            r = subprocess.run(["git", "-C", str(scratch), "check-ignore", "--no-index", "--stdin"],
+                               input="\n".join(paths) + "\n", capture_output=True, text=True, timeout=60)
+            return [ln for ln in r.stdout.splitlines() if ln]
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _alive(pid: int | None) -> bool:
@@ -368,6 +418,7 @@ def _alive(pid: int | None) -> bool:
 
 
 DEMO_PROTECTED = ["specpilot.toml", "prompts/", "decoder/serve.py", ".gitignore"]
+BINARY_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib", ".o", ".a", ".exe")
 DEMO_HIDDEN = 6  # of the demo's 16 held-out code prompts, never shown to agents
 GITIGNORE = ".specpilot/\n__pycache__/\n*.pyc\n"
 WORKSPACE_README = """# SpecPilot workspace: {name}
