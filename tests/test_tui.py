@@ -113,7 +113,7 @@ def select_row(app, table_id: str, key: str) -> None:
 def test_overview_shows_deployment_gaps_and_rounds(ws):
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
             await opened(pilot)
             snap = app.snapshot
             assert snap.deployment["name"] == "demo" and snap.deployment["drafter"].endswith("drafter")
@@ -127,12 +127,32 @@ def test_overview_shows_deployment_gaps_and_rounds(ws):
     run(go())
 
 
+def test_toasts_of_rich_text_and_markup_characters_render_without_crashing(ws):
+    """Every notification path ends in App.notify: a Rich Text, model output full of '[' and a title
+    with markup characters all render as plain text, and the app keeps running."""
+    from rich.text import Text
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
+            await opened(pilot)
+            app.notify(Text("a Rich Text toast"), title="done")
+            app.notify("model said [/] and [red]x[/red] and [link=file:///etc]", title="[b]steer")
+            app.notify("an error toast", severity="error")
+            await pilot.pause(0.5)
+            assert app.is_running
+            shown = [n.message for n in app._notifications]
+            assert "a Rich Text toast" in shown and "model said [/] and [red]x[/red] and [link=file:///etc]" in shown
+
+    run(go())
+
+
 def test_forcing_navigation_between_mismatches(ws):
     from workbench.tui.widgets import ForcingPane
 
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
             await opened(pilot)
             await pilot.press("2")
             select_row(app, "#branches-table", "bad-verify")
@@ -165,7 +185,7 @@ def test_diff_and_help_and_palette(ws):
 
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
             await opened(pilot)
             await pilot.press("2")
             select_row(app, "#branches-table", "ngram")
@@ -196,7 +216,7 @@ def test_merge_into_base_asks_then_merges(ws):
 
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
             await opened(pilot)
             await pilot.press("2")
             select_row(app, "#branches-table", "ngram")
@@ -224,7 +244,7 @@ def test_accept_with_a_note_then_export(ws, tmp_path):
 
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
             await opened(pilot)
             await pilot.press("4")
             await until(pilot, lambda: m1.id in app.mechanisms, 20, "the mechanisms")
@@ -258,7 +278,7 @@ def test_reject_and_search(ws):
 
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
             await opened(pilot)
             await pilot.press("4")
             await until(pilot, lambda: m2.id in app.mechanisms, 20, "the mechanisms")
@@ -280,7 +300,7 @@ def test_reject_and_search(ws):
 def test_log_follows_the_store(ws):
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
             await opened(pilot)
             await pilot.press("5")
             log = app.query_one("#event-log")
@@ -308,7 +328,7 @@ def test_launch_steer_stop_an_llm_agent(ws, monkeypatch):
 
         async def go():
             app = app_for(ws)
-            async with app.run_test(size=(120, 40)) as pilot:
+            async with app.run_test(notifications=True, size=(120, 40)) as pilot:
                 await opened(pilot)
                 await pilot.press("2", "l")
                 await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
@@ -348,7 +368,7 @@ def test_launch_a_tuner_runs_the_cascade(ws):
 
     async def go():
         app = app_for(ws)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
             await opened(pilot)
             await pilot.press("2", "l")
             await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
@@ -369,7 +389,7 @@ def test_startup_to_first_paint_is_quick(ws):
 
         t0 = time.perf_counter()
         app = make_app(ws.path, blink=False)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
             painted = time.perf_counter() - t0
             await opened(pilot)
             loaded = time.perf_counter() - t0
@@ -394,7 +414,7 @@ def test_demo_workspace_is_created_on_first_run(monkeypatch, tmp_path):
 
     async def go():
         app = make_app(demo_options={"prompt_limit": 3, "hidden": 1, "forcing_max_new_tokens": 8}, blink=False)
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
             assert app.query_one("#opening").display
             await opened(pilot)
             assert not app.query_one("#opening").display

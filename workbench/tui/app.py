@@ -27,6 +27,7 @@ from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Vertical
 from textual.message import Message
+from textual.notifications import SeverityLevel
 from textual.widgets import (
     DataTable,
     Footer,
@@ -191,6 +192,13 @@ class SpecPilotApp(App[int]):
         self._polling = False
         self._forcing_seq = 0
 
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = False) -> None:
+        """A toast of plain text: branch names, reasons and model output are never read as markup, and
+        a Rich `Text` (which crashes the toast when it renders) is flattened to its string."""
+        text = message.plain if isinstance(message, Text) else str(message)
+        super().notify(text, title=str(title), severity=severity, timeout=timeout, markup=markup)
+
     # -- layout ----------------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
@@ -318,7 +326,7 @@ class SpecPilotApp(App[int]):
         err = event.worker.error
         first = (str(err).strip().splitlines() or [""])[0][:300]
         name = event.worker.name
-        self.notify(Text(f"{type(err).__name__}: {first}" if first else type(err).__name__),
+        self.notify(f"{type(err).__name__}: {first}" if first else type(err).__name__,
                     title=f"{name} failed", severity="error", timeout=10)
         if name == "open workspace" and self.ui_alive():
             self.opening_label.update(Text(f"could not open {self.workspace_path}: {first}", style="bold red"))
@@ -384,7 +392,7 @@ class SpecPilotApp(App[int]):
     def on_done(self, msg: Done) -> None:
         if not self.ui_alive():
             return
-        self.notify(Text(msg.text), title="done")
+        self.notify(msg.text, title="done")
         if msg.refresh == "memory":
             self.load_mechanisms(self.search_text())
         self.poll()
@@ -401,7 +409,7 @@ class SpecPilotApp(App[int]):
             if result is not None:
                 kind, family = result
                 who = "an LLM" if kind == "llm" else "a tuner"
-                self.notify(Text(f"launching {who} agent on {family}"), title="launch")
+                self.notify(f"launching {who} agent on {family}", title="launch")
                 self._launch(kind, family)
 
         self.push_screen(LaunchScreen(msg.directions), chosen)
@@ -412,7 +420,7 @@ class SpecPilotApp(App[int]):
         if a is None:  # failed: the worker's error notification says why
             self.poll()
             return
-        self.notify(Text(f"{msg.branch}: {a.get('status')}: {a.get('reason')}"), title="agent finished",
+        self.notify(f"{msg.branch}: {a.get('status')}: {a.get('reason')}", title="agent finished",
                     severity="information" if a.get("status") == "keep" else "warning", timeout=8)
         self.poll()
 
@@ -481,7 +489,7 @@ class SpecPilotApp(App[int]):
         def send(text: str | None) -> None:
             if text:
                 launch.steer(text)
-                self.notify(Text(f"sent to {branch}: {text}"), title="steer")
+                self.notify(f"sent to {branch}: {text}", title="steer")
 
         self.push_screen(TextInputScreen(f"Message to the agent on {branch}", "e.g. try a shorter draft length",
                                          submit="Send", required="type a message, or escape to cancel"), send)
