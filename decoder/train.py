@@ -23,6 +23,7 @@ from tqdm import tqdm
 from decoder.corpus import Document, all_documents, split_of, write_prompt_sets
 
 EOS = "<|endoftext|>"
+UL_STEPS, UL_LR, UL_WEIGHT = 400, 3e-4, 1.0
 
 
 @dataclass
@@ -72,14 +73,17 @@ class DemoRecipe:
             num_attention_heads=6, num_key_value_heads=2, steps=2000,
         )
     )
-    # A second cosine cycle from the first stage's released (bf16) weights, fresh optimizer, new data
-    # order: it took the fp32 greedy repetition of held-out code from 0.50 to the value in quality.json.
-    target_continue: LMSpec | None = field(
-        default_factory=lambda: LMSpec(
-            name="target-continue", hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
-            num_attention_heads=6, num_key_value_heads=2, steps=1500, lr=1e-3, warmup_steps=50, seed=1,
-            init_from="target",
-        )
+    # Stages after the first, each from the previous one's released (bf16) weights with a fresh optimizer
+    # and its own data order; the last one is the released target (see quality.json for what they did).
+    target_stages: list[LMSpec] = field(
+        default_factory=lambda: [
+            LMSpec(name="target-continue", hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
+                   num_attention_heads=6, num_key_value_heads=2, steps=1500, lr=1e-3, warmup_steps=50, seed=1,
+                   init_from="target"),
+            LMSpec(name="target-ul", hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
+                   num_attention_heads=6, num_key_value_heads=2, steps=UL_STEPS, lr=UL_LR, warmup_steps=20, seed=2,
+                   init_from="target-continue", unlikelihood=UL_WEIGHT),
+        ]
     )
     drafter: LMSpec = field(
         default_factory=lambda: LMSpec(
@@ -340,13 +344,12 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
 
     results = {}
     if only in (None, "target"):
-        if recipe.target_continue is None:
-            results["target"] = train_lm(recipe.target, data_for(recipe.target), tok_dir, work_dir,
-                                         out_root / "target")
-        else:  # the first stage is kept under the work dir; the second stage is the released target
-            train_lm(recipe.target, data_for(recipe.target), tok_dir, work_dir, work_dir / "target-stage1")
-            results["target"] = train_lm(recipe.target_continue, data_for(recipe.target_continue), tok_dir,
-                                         work_dir, out_root / "target")
+        # Earlier stages are kept under the work dir; the last one is the released target.
+        stages = [recipe.target, *recipe.target_stages]
+        for i, spec in enumerate(stages):
+            last = i == len(stages) - 1
+            results["target"] = train_lm(spec, data_for(spec), tok_dir, work_dir,
+                                         out_root / "target" if last else work_dir / f"{spec.name}-out")
     if only in (None, "drafter"):
         teacher = out_root / "target" if recipe.drafter.distill_from == "target" else None
         if teacher is not None and not (teacher / "recipe.json").exists():
@@ -366,6 +369,6 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
         results["quality"] = quality
     _atomic_write_text(out_root / "recipe.json", json.dumps(
         {"vocab_size": recipe.vocab_size, "seed": recipe.seed, "target": asdict(recipe.target),
-         "target_continue": asdict(recipe.target_continue) if recipe.target_continue else None,
+         "target_stages": [asdict(x) for x in recipe.target_stages],
          "drafter": asdict(recipe.drafter)}, indent=2))
     return results

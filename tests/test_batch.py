@@ -162,6 +162,7 @@ class FakeClock:
 
 
 @needs_demo
+@pytest.mark.slow
 def test_continuous_stream_of_32_lossless(demo_fp32, demo_prompts):
     """32 requests arriving over time: continuous batching admits them between steps (while others run),
     every output equals its single-request run, and it needs fewer batched steps than static batching."""

@@ -299,6 +299,7 @@ def test_recover_rebuilds_a_lost_worktree_and_prunes_stale_ones(ws):
     assert not (ws.state / "worktrees" / "orphan").exists()
 
 
+@pytest.mark.slow  # fast twins: test_tui's accept-then-export, test_demo_cli's end-to-end run (slow)
 def test_export_then_git_am_on_a_fresh_clone_reproduces_the_mechanism(ws, tmp_path):
     make_branch(ws, "ngram", {"system.toml": ('drafter = "draft-model"', 'drafter = "ngram"')},
                 "config: n-gram drafter")

@@ -597,6 +597,9 @@ class SpecPilotApp(App[int]):
     def action_export(self) -> None:
         if not self._need_ws():
             return
+        if not self.ws.memory.list_mechanisms(status="accepted"):
+            self.notify("export: no mechanism is accepted yet (Memory tab: pick one, press a)", severity="warning")
+            return
         default = str(Path.cwd() / f"{self.ws.config.name}-patches")
 
         def to(folder: str | None) -> None:
