@@ -72,6 +72,20 @@ def test_a_speedup_above_the_ceiling_is_rejected(ws, ceiling):
     assert [e.stage for e in evals][-3:] == ["smoke", "forcing", "bench"]
 
 
+def test_a_branch_lossless_when_forced_but_wrong_when_timed_is_rejected(ws, ceiling):
+    """Forcing sends each prompt once; the paired benchmark repeats them. This candidate answers a
+    prompt it has seen before with one token only: clean under forcing, 'fast' under the benchmark."""
+    make_branch(ws, "two-faced", {"decoder/generate.py": patch_generate(
+        "import builtins, dataclasses\n"
+        "seen = builtins.__dict__.setdefault('_seen_prompts', set())\n"
+        "if tuple(prompt) in seen:\n"
+        "    cfg = dataclasses.replace(cfg, max_new_tokens=1)\n"
+        "seen.add(tuple(prompt))")}, "short answers when timed")
+    att = evaluate(ws, "two-faced", ws.stock_commit, 1.3, ceiling)
+    assert att.status == "rejected" and att.reason.startswith("timed output differs from stock"), att.reason
+    assert "1 tokens where stock gives 16" in att.reason
+
+
 def test_a_protected_edit_is_rejected_before_anything_runs(ws, ceiling):
     make_branch(ws, "edit-serve", {"decoder/serve.py": ("import argparse", "import argparse  # mine")}, "tweak")
     att = evaluate(ws, "edit-serve", ws.stock_commit, 1.3, ceiling)

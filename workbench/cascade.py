@@ -3,7 +3,9 @@
     guard    uncommitted changes or a protected path touched   -> rejected (nothing runs)
     smoke    the system starts and answers one short request   -> crash
     forcing  every position of every forcing prompt vs stock   -> discard (unexplained mismatch) / crash
-    bench    paired benchmark against the round's base         -> discard (no gain beyond the noise)
+    bench    paired benchmark against the round's base         -> rejected (a timed output is not stock's:
+                                                                  checked like forcing, every pass)
+                                                                  / discard (no gain beyond the noise)
     ceiling  speedup over AR under the cost model's ceiling    -> rejected (a reward-hacking flag)
     keep     all of the above passed
 
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.forcing import force, run_system
+from workbench.forcing import force, run_system, stock_reference, timed_output_problem
 from workbench.harness import SystemCrash
 from workbench.measure import load_prompts, paired_bench
 from workbench.workspace import Workspace
@@ -82,6 +84,11 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     except SystemCrash as e:
         return stage("bench", "crash", f"{e.kind}: {e.reason}")
     metrics = res.as_dict()
+    ref = stock_reference(ws, progress=False)
+    wrong = [w for pid, outs in res.b_outputs.items() for o in outs
+             if (w := timed_output_problem(ref, pid, o)) is not None]
+    if wrong:
+        return stage("bench", "rejected", f"timed output differs from stock ({len(wrong)}): {wrong[0]}", metrics)
     over_ar = base_speedup_over_ar * res.speedup
     fine, why = plausible(over_ar, ceiling)
     kw = {"speedup": res.speedup, "speedup_over_ar": over_ar, "ci95": [res.ci_low, res.ci_high]}

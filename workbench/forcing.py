@@ -116,6 +116,26 @@ def _margins_and_noise(ws: Workspace, rows: list[dict]) -> float:
     return floor
 
 
+def timed_output_problem(ref: dict, prompt_id: str, tokens: list[int]) -> str | None:
+    """Why an output produced while timed is not stock's (None: it is, up to a first divergence at a
+    numerical near tie). Only the first divergence can be judged: after it the contexts differ."""
+    row = next((r for r in ref["prompts"] if r["id"] == prompt_id), None)
+    if row is None:
+        return f"prompt {prompt_id}: not a forcing prompt"
+    stock, margins = row["stock"], row.get("margins") or []
+    threshold = 2 * float(ref["noise_floor"])
+    at = next((j for j, (a, b) in enumerate(zip(tokens, stock, strict=False)) if a != b), None)
+    if at is None:
+        if len(tokens) == len(stock):
+            return None
+        return f"prompt {prompt_id}: {len(tokens)} tokens where stock gives {len(stock)}"
+    margin = margins[at] if at < len(margins) else None
+    if margin is not None and margin < threshold:
+        return None
+    return (f"prompt {prompt_id}: token {at} is {tokens[at]} where stock gives {stock[at]} "
+            f"(margin {margin if margin is None else round(margin, 4)} >= near-tie {threshold:.4g})")
+
+
 def _force_prompt(sp: SystemProcess, fp: dict, cap: int, tok) -> tuple[list[dict], int, float, int, int]:
     """Check one prompt; returns mismatches, positions checked, first-pass seconds and tokens, restarts."""
     stock, prompt = fp["stock"], fp["prompt_ids"]

@@ -84,6 +84,10 @@ class PairResult:
     b_tokens_per_s: float
     ratios: list[float] = field(default_factory=list)
     mismatched_prompts: list[str] = field(default_factory=list)  # where A's and B's tokens differ
+    # Every distinct output each side produced while timed, per prompt id: checked against stock, since
+    # a candidate may answer differently when timed than when forced.
+    a_outputs: dict[str, list[list[int]]] = field(default_factory=dict)
+    b_outputs: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"speedup": self.speedup, "ci95": [self.ci_low, self.ci_high], "passes": self.passes,
@@ -110,6 +114,8 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     ta_all = tb_all = 0.0
     tok_a = tok_b = 0
     mismatched: set[str] = set()
+    a_out: dict[str, list[list[int]]] = {}
+    b_out: dict[str, list[list[int]]] = {}
     t0 = time.perf_counter()
     with measurement_lock():
         for p in prompts[:1]:  # warm both (lazy initialisation, caches) outside the measurement
@@ -129,6 +135,10 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                 tok_b += len(rb.tokens)
                 if ra.tokens != rb.tokens:
                     mismatched.add(p.id)
+                for seen, r in ((a_out, ra), (b_out, rb)):
+                    outs = seen.setdefault(p.id, [])
+                    if r.tokens not in outs:
+                        outs.append(list(r.tokens))
             ta_all += ta
             tb_all += tb
             ratios.append(ta / tb if tb > 0 else math.inf)
@@ -139,7 +149,7 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                 break
     m, lo, hi = _ci(ratios)
     return PairResult(m, lo, hi, len(ratios), tok_a / ta_all if ta_all else 0.0, tok_b / tb_all if tb_all else 0.0,
-                      ratios, sorted(mismatched))
+                      ratios, sorted(mismatched), a_out, b_out)
 
 
 def load_prompts(ws, which: str = "visible") -> list[Prompt]:
