@@ -174,6 +174,50 @@ def test_a_protocol_line_without_end_is_capped_and_the_branch_crashes(ws):
     assert "MiB" in rep["reason"]
 
 
+ESCAPES = """import os
+def _ok(f):
+    try:
+        f()
+        return True
+    except OSError:
+        return False
+esc = []
+if _ok(lambda: open('/proc/sys/kernel/core_pattern', 'w').close()):
+    esc.append('core_pattern')
+if _ok(lambda: open('/proc/sys/vm/swappiness', 'w').write('60')):
+    esc.append('proc-sys')
+if os.path.exists('/dev/shm/specpilot-host-marker'):
+    esc.append('host-dev-shm')
+if _ok(lambda: open('/dev/shm/big', 'wb').write(bytes(100 << 20))):
+    esc.append('dev-shm-size')
+if _ok(lambda: open('decoder/written-at-run-time.txt', 'w').write('x')):
+    esc.append('worktree-write')
+if set(os.listdir('/dev')) - {'null', 'zero', 'full', 'random', 'urandom', 'shm', 'fd', 'stdin', 'stdout', 'stderr'}:
+    esc.append('dev:' + ','.join(sorted(os.listdir('/dev'))))
+if esc:
+    raise SystemExit('ESCAPED ' + ' '.join(esc))
+"""
+
+
+def test_the_sandbox_contains_proc_sys_dev_and_the_worktree(ws):
+    """The candidate tries, on every request: kernel tunables, the host's /dev/shm, an unbounded
+    /dev/shm, writing its own worktree, host devices. Any success ends the system ('ESCAPED ...');
+    contained, it decodes as stock does."""
+    from workbench.harness import sandbox_status
+
+    if not sandbox_status()[0]:
+        pytest.skip(f"no sandbox here: {sandbox_status()[1]}")
+    marker = Path("/dev/shm/specpilot-host-marker")
+    marker.write_text("host")
+    try:
+        make_branch(ws, "escapes", {"decoder/generate.py": patch_generate(ESCAPES)}, "try to get out")
+        rep = force(ws, "escapes", progress=False)
+    finally:
+        marker.unlink(missing_ok=True)
+    assert rep["status"] == "keep", rep["reason"]
+    assert not (ws.worktree_path("escapes") / "decoder" / "written-at-run-time.txt").exists()
+
+
 def test_a_branch_that_allocates_without_bound_is_stopped_by_the_memory_limit(ws):
     make_branch(ws, "hog", {"decoder/generate.py": patch_generate(
         "hoard = []\nwhile True:\n    hoard.append(b'x' * (64 * 2**20))")}, "cache everything")

@@ -2,7 +2,8 @@
 
 Standard library only (it runs with `python -I`, before any candidate code). It builds a new root
 on a tmpfs holding only what the spec names (read-only system and Python directories, the model
-files, the candidate's worktree read-write, an empty /tmp, /dev and a fresh /proc), pivots into
+files, the candidate's worktree read-only, an empty size-limited /tmp, a private /dev with five nodes
+and a size-limited /dev/shm, a fresh /proc with /proc/sys read-only), pivots into
 it, then enters one more user and mount namespace so those mounts are locked: the candidate,
 although root inside, can neither unmount them nor see what lies under them. It then execs the
 candidate with the spec's environment. There is no network device but loopback (down).
@@ -17,7 +18,9 @@ import platform
 import resource
 import sys
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+PR_SET_NO_NEW_PRIVS = 38
+DEV_NODES = ("null", "zero", "full", "random", "urandom")
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MNT_DETACH = 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
@@ -61,10 +64,27 @@ def main() -> None:
         bind(root, p, writable=False)
     for p in spec["read_write"]:
         bind(root, p, writable=True)
+    # A private /dev: the few harmless nodes bound one by one, a size-limited /dev/shm that dies with
+    # the sandbox (the host's /dev, its /dev/shm included, is never visible: no channel between runs).
     os.makedirs(root + "/dev", exist_ok=True)
-    mount("/dev", root + "/dev", None, MS_BIND | MS_REC)
+    mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
+    for node in (*DEV_NODES, *spec.get("dev_extra", [])):
+        open(root + "/dev/" + node, "a").close()
+        mount("/dev/" + node, root + "/dev/" + node, None, MS_BIND)
+    os.makedirs(root + "/dev/shm")
+    mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={spec.get('shm_size', '64m')}")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
+    mount("none", root + "/dev", None, MS_REMOUNT | MS_NOSUID | MS_NOEXEC | MS_RDONLY, "mode=755,size=64k")
     os.makedirs(root + "/proc", exist_ok=True)
-    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # Kernel tunables and triggers read-only (a writable core_pattern is a path to host code execution).
+    for p in ("/proc/sys", "/proc/sysrq-trigger"):
+        if os.path.exists(root + p):
+            mount(root + p, root + p, None, MS_BIND | MS_REC)
+            mount("none", root + p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     # pivot_root, not chroot: a chrooted process may not create the user namespace below.
     os.makedirs(root + "/.old", exist_ok=True)
     _check(libc.syscall(SYS_PIVOT_ROOT[platform.machine()], root.encode(), (root + "/.old").encode()),
@@ -87,6 +107,11 @@ def main() -> None:
 
     if spec.get("rlimit_as"):
         resource.setrlimit(resource.RLIMIT_AS, (spec["rlimit_as"], spec["rlimit_as"]))
+    # No file bigger than this anywhere (disk), a bounded number of open files, no core dumps.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec.get("max_file_bytes", 256 << 20),) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (spec.get("max_open_files", 1024),) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")  # no setuid gains
     argv = spec["argv"]
     os.execve(argv[0], argv, spec["env"])
 

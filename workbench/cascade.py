@@ -46,6 +46,13 @@ def smoke_run(ws: Workspace, worktree: Path, label: str) -> tuple[bool, str]:
     return True, f"ok: {len(r.tokens)} tokens in {r.seconds:.2f} s on {prompts[0].id}"
 
 
+def timing_prompts(ws: Workspace) -> list:
+    """What the paired benchmark times: the hidden split, which agents never see and tuned against
+    (with the visible one too when the hidden split is small); the order is drawn per pass."""
+    hidden = load_prompts(ws, "hidden")
+    return hidden if len(hidden) >= 4 else hidden + load_prompts(ws)
+
+
 def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float, ceiling: float, *,
              min_gain: float = 1.02, progress: Callable[[str], None] | None = None) -> Attempt:
     """Run the cascade on `branch` against the base commit; every stage is recorded in the store."""
@@ -75,8 +82,11 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     if rep["status"] != "keep":
         return Attempt(rep["status"], f"forcing: {rep['reason']}")
 
+    why = ws.guard(branch)  # nothing the forcing run left behind reaches the timed run
+    if why:
+        return stage("guard", "rejected", f"after forcing: {why}")
     say(f"  {branch}: paired benchmark against the base")
-    prompts = load_prompts(ws)
+    prompts = timing_prompts(ws)
     try:
         with run_system(ws, ws.detached_worktree("_base", base), "base") as a, \
                 run_system(ws, ws.worktree_path(branch), f"bench-{branch}") as c:

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -38,7 +40,6 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # /etc files a Python process needs (no /etc/shadow, no keys).
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/hosts",
         "/etc/nsswitch.conf", "/etc/localtime", "/etc/os-release", "/etc/alternatives")
-_DEV = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom", "/dev/full")
 
 
 class SystemCrash(Exception):
@@ -103,14 +104,17 @@ def sandbox_spec(worktree: Path, read_only: list[Path], argv: list[str], env: di
                  memory_mb: int) -> dict:
     """What the sandbox shows: system libraries, the Python environment, the models, the worktree."""
     py_dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent.parent)}
-    ro = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/sys/devices/system/cpu", *_ETC, *_DEV,
+    ro = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/sys/devices/system/cpu", *_ETC,
           *sorted(py_dirs), *(str(Path(p).resolve()) for p in read_only)]
-    return {"read_only": ro, "read_write": [str(worktree)], "cwd": str(worktree), "argv": argv, "env": env,
-            "rlimit_as": (memory_mb + 4096) * 1024 * 1024}
+    # The worktree is read-only too: a run writes nothing the next stage could find (caches go to /tmp).
+    return {"read_only": [*ro, str(worktree)], "read_write": [], "cwd": str(worktree), "argv": argv, "env": env,
+            "rlimit_as": (memory_mb + 4096) * 1024 * 1024,
+            "dev_extra": sorted(p.name for p in Path("/dev").glob("nvidia*") if not p.is_dir())}  # GPUs, if any
 
 
-def _tree_rss(root_pid: int) -> int:
-    """Resident bytes of `root_pid` and all its descendants (walked from /proc, outside the candidate)."""
+def _tree(root_pid: int) -> list[int]:
+    """`root_pid` and all its descendants, walked from /proc outside the candidate (a child that left
+    the process group or session is still found by its parent link)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -122,15 +126,23 @@ def _tree_rss(root_pid: int) -> int:
             continue
         ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
         children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [root_pid]
+    out, todo = [], [root_pid]
     while todo:
         pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def _tree_rss(root_pid: int) -> int:
+    """Resident bytes of `root_pid` and all its descendants."""
+    total = 0
+    for pid in _tree(root_pid):
         try:
             with open(f"/proc/{pid}/statm", "rb") as f:
                 total += int(f.read().split()[1]) * _PAGE
         except OSError:
             pass
-        todo.extend(children.get(pid, ()))
     return total
 
 
@@ -214,6 +226,21 @@ class SystemProcess:
         except ProcessLookupError:
             pass
         self.proc.wait()
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The whole process tree stopped (SIGSTOP) for the block: the idle side of a paired benchmark
+        can neither compute ahead nor burn the CPU the other side is being timed on."""
+        pids = _tree(self.proc.pid) if self.proc is not None and self.proc.poll() is None else []
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in reversed(pids):
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     def close(self) -> None:
         """Ask the system to quit, then kill what is left of its process group."""

@@ -4,15 +4,18 @@ Every time here is taken by the harness around the request pipe, never inside th
 work holds the machine's measurement lock (a file lock in the data directory), so two agents never
 time their systems at once on the same cores.
 
-A paired benchmark runs two systems side by side on the same prompts, interleaved A B B A, pass
-after pass, until the 95% confidence interval of the time ratio is tight (half-width under
-`rel_ci` of the ratio) or the budget ends. `speedup` is time(A) / time(B): B's speedup over A.
+A paired benchmark runs two systems side by side on the same prompts, in an order drawn anew every
+pass from the OS's randomness (half the pairs A first, half B first), the idle side frozen (SIGSTOP)
+while the other is timed, pass after pass, until the 95% confidence interval of the time ratio is
+tight (half-width under `rel_ci` of the ratio) or the budget ends. `speedup` is time(A) / time(B):
+B's speedup over A.
 """
 
 from __future__ import annotations
 
 import fcntl
 import math
+import random
 import statistics
 import threading
 import time
@@ -24,6 +27,7 @@ from workbench.harness import SystemProcess
 
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 _local_lock = threading.Lock()
+_rng = random.SystemRandom()
 
 
 @contextmanager
@@ -123,11 +127,18 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
             b.generate(p.ids, min(n, 8), config=config_b)
         for i in range(max_passes):
             ta = tb = 0.0
-            for j, p in enumerate(prompts):
-                order = (a, b) if (i + j) % 2 == 0 else (b, a)  # A B, then B A: drift cancels
+            # A new order every pass, from the OS's randomness: neither side can predict which prompt comes
+            # next or whether it goes first; half the pairs run A B, half B A, so drift cancels.
+            order_of = _rng.sample(list(prompts), len(prompts))
+            flips = [j % 2 == 0 for j in range(len(order_of))]
+            _rng.shuffle(flips)
+            for p, a_first in zip(order_of, flips, strict=True):
+                order = (a, b) if a_first else (b, a)
                 res = {}
                 for sp in order:
-                    res[id(sp)] = sp.generate(p.ids, n, config=config_a if sp is a else config_b)
+                    idle = b if sp is a else a
+                    with idle.frozen():  # the other side cannot compute ahead or load the CPU meanwhile
+                        res[id(sp)] = sp.generate(p.ids, n, config=config_a if sp is a else config_b)
                 ra, rb = res[id(a)], res[id(b)]
                 ta += ra.seconds
                 tb += rb.seconds
