@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import git
 
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
-from workbench.cascade import Attempt, evaluate
+from workbench.cascade import Attempt, evaluate, timing_prompts
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import load_prompts, paired_bench, profile_entry
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
@@ -127,10 +127,10 @@ class Loop:
         return self.ws.rev(BASE_BRANCH)
 
     def speedup_over_ar(self, commit: str, label: str) -> dict:
-        """A paired benchmark of `commit` against the AR reference, on the visible prompts."""
+        """A paired benchmark of `commit` against the AR reference, on the prompts the cascade times."""
         ar_wt = self.ws.detached_worktree("_ar", self.ws.rev(AR_BRANCH))
         wt = self.ws.detached_worktree("_measure", commit)
-        prompts = load_prompts(self.ws)
+        prompts = timing_prompts(self.ws)
         n = self.ws.config.forcing_max_new_tokens
         with run_system(self.ws, ar_wt, "ar") as a, run_system(self.ws, wt, label) as b:
             res = paired_bench(a, b, prompts, n)
