@@ -23,7 +23,7 @@ from tqdm import tqdm
 from decoder.corpus import Document, all_documents, split_of, write_prompt_sets
 
 EOS = "<|endoftext|>"
-UL_STEPS, UL_LR, UL_WEIGHT = 400, 3e-4, 1.0
+UL_STEPS, UL_LR, UL_WEIGHT = 400, 3e-4, 2.0
 
 
 @dataclass
