@@ -314,7 +314,9 @@ class Memory:
             report_id = None
             if forcing is not None:
                 report_id = self._insert_forcing(branch_id, eval_id, forcing)
-            self.record_event("evaluation", f"branch {branch_id} {stage}: {status}: {reason}",
+            row = self.db.execute("SELECT name FROM branches WHERE id = ?", [branch_id]).fetchone()
+            who = row[0] if row else f"branch {branch_id}"
+            self.record_event("evaluation", f"{who} {stage}: {status}: {reason}",
                               {"evaluation_id": eval_id, "branch_id": branch_id, "stage": stage, "status": status,
                                "forcing_report_id": report_id})
             return self.get_evaluation(eval_id)

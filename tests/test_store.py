@@ -391,3 +391,10 @@ def test_memory_cli_in_process_errors_default_db_and_wiring(tmp_path, monkeypatc
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["memory", "search", "ring buffer", "--db", "x.db", "--json"])
     assert (args.query, args.db, args.json, args.func.__name__) == ("ring buffer", "x.db", True, "_cmd_search")
+
+
+def test_evaluation_events_name_the_branch(mem):
+    b = branch_of(mem, "r1-drafting-tuner")
+    mem.add_evaluation(b, "smoke", "keep", "ok: 16 tokens")
+    ev = [e for e in mem.list_events() if e.kind == "evaluation"][-1]
+    assert ev.message == "r1-drafting-tuner smoke: keep: ok: 16 tokens"
