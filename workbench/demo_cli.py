@@ -14,6 +14,7 @@ Exit status: 0 done, 2 usage, 3 budget ended first, 4 interrupted (resumable), 5
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -80,7 +81,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.budget_minutes > 0 or args.budget_minutes == float("inf"):
         return fail(f"--budget-minutes {args.budget_minutes:g}: must be a positive number of minutes")
-    path = Path(args.workspace)
+    path = Path(args.workspace).absolute()
+    if not (path / "specpilot.toml").exists():  # say what is wrong with the folder before any work starts
+        up = path
+        while not up.exists():
+            up = up.parent
+        if not up.is_dir():
+            return fail(f"demo workspace {path}: {up} is a file; pick a folder for the workspace")
+        if not os.access(up, os.W_OK):
+            return fail(f"demo workspace {path}: {up} is not writable; pick a folder you can write")
     try:
         if not (path / "specpilot.toml").exists():
             _progress(f"creating the demo workspace at {path}")
