@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from decoder.bench import first_divergence, top2_margin
 from decoder.config import ConfigError, DecodeConfig
 from decoder.featdraft import (
     BlockDrafter,
@@ -28,6 +29,9 @@ from decoder.lean import LeanLM
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 
 TRAINED = drafters_dir(DEMO_DIR / "target")
+# Twice the demo target's bf16 noise floor (0.125: the largest logit difference between one-token and
+# multi-token forwards, `specpilot bench`): a divergence at a smaller top-2 margin is a numerical near tie.
+NEAR_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +75,19 @@ def untrained(target):
 
 
 @pytest.mark.parametrize("k", range(1, 17))
-def test_block_and_mtp_drafters_are_lossless_for_every_block_size(k, lean, prompts, references, untrained):
+def test_block_and_mtp_drafters_are_lossless_for_every_block_size(k, target, lean, prompts, references, untrained):
     block, mtp = untrained
     eos = lean.config.eos_token_id
     for prompt, ref in zip(prompts, references, strict=True):
         for state in (BlockState(block, lean.embed, lean.lm_head), MTPState(mtp, lean.embed, lean.lm_head)):
             g = feature_generate(lean, state, prompt, 40, k, eos, stop_at_eos=False)
-            assert g.tokens == ref, (type(state).__name__, k)
+            pos = first_divergence(g.tokens, ref)
+            # bf16: a k-wide verify may round a near tie the other way (measured: k = 15 and 16 diverge from
+            # AR at position 18 of the code context, top-2 margin 0.0625, one bf16 step at that magnitude)
+            if pos is not None:
+                with torch.inference_mode():
+                    margin = top2_margin(target, prompt + ref[:pos])
+                assert margin <= NEAR_TIE, (type(state).__name__, k, pos, margin)
             assert g.stats.draft_steps > 0 and g.stats.drafted <= k * g.stats.draft_steps
 
 

@@ -66,7 +66,9 @@ def test_a_speedup_above_the_ceiling_is_rejected(ws, ceiling):
             "hit = memo.get(','.join(map(str, prompt)))\n"
             "if hit is not None and len(hit) >= cfg.max_new_tokens:\n"
             "    return Generation(hit[:cfg.max_new_tokens])")}, "answer known prompts at once")
-    att = evaluate(ws, "too-fast", ws.stock_commit, 1.3, ceiling)
+    # The rule under test, independent of this machine's measured profile: the memo measures 3-5x over
+    # AR here, so the ceiling is pinned at 2.0 (the deployment's real ceiling comes from the cost model).
+    att = evaluate(ws, "too-fast", ws.stock_commit, 1.3, min(ceiling, 2.0))
     assert att.status == "rejected" and att.reason.startswith("implausible"), att.reason
     evals = ws.memory.list_evaluations(ws.branch("too-fast").id)
     assert [e.stage for e in evals][-3:] == ["smoke", "forcing", "bench"]
