@@ -53,6 +53,7 @@ def test_a_branch_that_patches_the_timer_gains_nothing(ws, ceiling):
     assert att.speedup is not None and att.speedup < 1.25
 
 
+@pytest.mark.slow  # the rule itself is unit-tested with costmodel.ceiling.plausible; this is the cascade end to end
 def test_a_speedup_above_the_ceiling_is_rejected(ws, ceiling):
     # Lossless on every forcing prompt (it computes the hidden ones honestly) but it answers the
     # benchmark's visible prompts from a memo: far faster than any lossless change can be.

@@ -211,6 +211,7 @@ def test_tree_drafter_cache_tracks_committed_sequence():
 
 
 @needs_demo
+@pytest.mark.slow  # the fast twin: test_every_mechanism_lossless_on_random_trees_and_drafts (tiny models)
 def test_demo_fp32_lossless_and_two_level_accepts_alternatives(demo_fp32, demo_prompts):
     target, draft = demo_fp32
     base = dict(max_new_tokens=48, dtype="float32", stop_at_eos=False, lean_forward=True)
