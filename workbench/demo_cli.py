@@ -17,19 +17,13 @@ import argparse
 import os
 import shlex
 import signal
-import sys
-import time
 from pathlib import Path
 
 from workbench.cli_util import fail, positive_int
+from workbench.tui_entry import EXIT_BUDGET, EXIT_OK, _progress, run_headless
 
-EXIT_OK, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 3, 4, 5
 DEFAULT_WORKSPACE = "build/demo-workspace"
 PATCH_DIR = "patches"  # under the workspace's .specpilot/ state: never committed, never seen by agents
-
-
-def _progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _x(v: float | None, ci: list[float] | None) -> str:
@@ -105,26 +99,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _quiet_transformers()
     opts = LoopOptions(rounds=args.rounds, agents=1, agent="tuner", budget_minutes=args.budget_minutes,
                        use_global_memory=False, auto_accept=True)
-    try:
+
+    def body() -> tuple[dict, list[Path]]:
         summary = Loop(ws, opts, progress=_progress).run()
-        accepted = ws.memory.list_mechanisms(status="accepted")
         out = ws.state / PATCH_DIR
-        if out.exists():
-            for old in out.glob("*.patch"):
-                old.unlink()
+        for old in out.glob("*.patch") if out.exists() else ():
+            old.unlink()
+        accepted = ws.memory.list_mechanisms(status="accepted")
         patches = export(ws, accepted, out) if accepted else []
         print("\n".join(summary_lines(ws, summary, patches)))
-    except KeyboardInterrupt as e:
-        _progress(f"interrupted ({e or 'SIGINT'}); run the same command again to resume the round")
-        return EXIT_INTERRUPTED
-    except WorkspaceError as e:
-        return fail(str(e))
-    except Exception as e:  # noqa: BLE001 - one line, not a traceback; the store keeps the details
-        print(f"error: demo failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        ws.close()
-    return EXIT_BUDGET if summary["status"] == "budget" else EXIT_OK
+        return summary, patches
+
+    code, result = run_headless(ws, body, "demo")
+    if result is None:
+        return code
+    return EXIT_BUDGET if result[0]["status"] == "budget" else EXIT_OK
 
 
 def add_parser(sub) -> None:

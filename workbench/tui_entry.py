@@ -22,11 +22,14 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from workbench.cli_util import OneLineParser, fail, positive_int
 
 EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 2, 3, 4, 5
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,27 +90,38 @@ def run_auto(args: argparse.Namespace) -> int:
     _quiet_transformers()  # our progress lines say what happens; no weight-loading bars in between
     opts = LoopOptions(rounds=args.rounds, agents=args.agents, agent=args.agent, budget_minutes=args.budget_minutes,
                        use_global_memory=not args.no_global_memory, auto_accept=True)
-    try:
-        if opts.agent == "llm":  # fail now, in one line, rather than inside every agent
-            from workbench.agents.llm import LLMConfig, LLMConfigError
+    if opts.agent == "llm":  # fail now, in one line, rather than inside every agent
+        from workbench.agents.llm import LLMConfig, LLMConfigError
 
-            try:
-                LLMConfig.load(None)
-            except LLMConfigError as e:
-                return fail(str(e))
-        summary = Loop(ws, opts, progress=_progress).run()
-    except KeyboardInterrupt as e:
-        _progress(f"interrupted ({e or 'SIGINT'}); run the same command again to resume the round")
-        return EXIT_INTERRUPTED
-    except WorkspaceError as e:
-        return fail(str(e))
-    except Exception as e:  # noqa: BLE001 - one line, not a traceback; the store keeps the details
-        print(f"error: loop failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        ws.close()
+        try:
+            LLMConfig.load(None)
+        except LLMConfigError as e:
+            ws.close()
+            return fail(str(e))
+    code, summary = run_headless(ws, lambda: Loop(ws, opts, progress=_progress).run(), "loop")
+    if summary is None:
+        return code
     print(json.dumps(summary) if args.json else _table(summary))
     return EXIT_BUDGET if summary["status"] == "budget" else EXIT_OK
+
+
+def run_headless(ws, body: Callable[[], T], what: str) -> tuple[int, T | None]:
+    """Run `body` under the headless exit contract, then close the workspace: (EXIT_OK, its result), or
+    the exit status with one line on stderr (interrupted: resumable; a workspace error; anything else)."""
+    from workbench.workspace import WorkspaceError
+
+    try:
+        return EXIT_OK, body()
+    except KeyboardInterrupt as e:
+        _progress(f"interrupted ({e or 'SIGINT'}); run the same command again to resume the round")
+        return EXIT_INTERRUPTED, None
+    except WorkspaceError as e:
+        return fail(str(e)), None
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback; the store keeps the details
+        print(f"error: {what} failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return EXIT_FAILED, None
+    finally:
+        ws.close()
 
 
 def main(argv: list[str] | None = None) -> int:
