@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 from pathlib import Path
 
 from workbench.cli_util import fail, positive_int
@@ -92,10 +91,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except (WorkspaceError, OSError) as e:
         return fail(f"demo workspace {path}: {e}".splitlines()[0])
 
-    def interrupted(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, interrupted)
     _quiet_transformers()
     opts = LoopOptions(rounds=args.rounds, agents=1, agent="tuner", budget_minutes=args.budget_minutes,
                        use_global_memory=False, auto_accept=True)

@@ -81,10 +81,6 @@ def run_auto(args: argparse.Namespace) -> int:
     except WorkspaceError as e:
         return fail(str(e))
 
-    def interrupted(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, interrupted)
     from workbench.cli import _quiet_transformers
 
     _quiet_transformers()  # our progress lines say what happens; no weight-loading bars in between
@@ -110,6 +106,10 @@ def run_headless(ws, body: Callable[[], T], what: str) -> tuple[int, T | None]:
     the exit status with one line on stderr (interrupted: resumable; a workspace error; anything else)."""
     from workbench.workspace import WorkspaceError
 
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, interrupted)  # SIGTERM ends it like Ctrl-C: resumable
     try:
         return EXIT_OK, body()
     except KeyboardInterrupt as e:

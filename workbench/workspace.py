@@ -340,8 +340,10 @@ class Workspace:
 
     def changed_paths(self, name: str, base: str = STOCK_TAG) -> list[str]:
         """Paths a branch changes against `base` (committed), plus anything uncommitted in its worktree."""
-        committed = self.repo.git.diff("--no-ext-diff", "--name-only", f"{base}...{name}").splitlines()
-        return sorted(set(committed) | {d.split(" -> ")[-1] for d in self.uncommitted(name)})
+        return sorted(set(self._committed_paths(name, base)) | {d.split(" -> ")[-1] for d in self.uncommitted(name)})
+
+    def _committed_paths(self, name: str, base: str = STOCK_TAG) -> list[str]:
+        return self.repo.git.diff("--no-ext-diff", "--name-only", f"{base}...{name}").splitlines()
 
     def uncommitted(self, name: str) -> list[str]:
         out = self.worktree_git(name).status("--porcelain", "--untracked-files=all")
@@ -371,18 +373,19 @@ class Workspace:
         if dirty:
             return (f"uncommitted changes in the worktree ({', '.join(dirty[:3])}); commit them so the "
                     f"evaluated code is a commit")
-        changed = self.changed_paths(name)
+        changed = self._committed_paths(name)  # nothing is uncommitted at this point
         hits = self.protected_hits(changed)
         if hits:
             return f"touches protected path(s) {', '.join(hits[:3])}; not run"
-        present = set(self.worktree_git(name).ls_files("-z").split("\0")) - {""}
+        g = self.worktree_git(name)
+        present = set(g.ls_files("-z").split("\0")) - {""}
         added = [p for p in changed if p in present]
         binary = [p for p in added if p.endswith(BINARY_SUFFIXES) or "__pycache__" in p.split("/")]
         ignored = self._ignored_by_stock(added)
         if binary or ignored:
             return (f"commits bytecode, binaries or ignored paths ({', '.join((binary + ignored)[:3])}); "
                     f"only tracked sources are evaluated")
-        self.worktree_git(name).clean("-ffdX")  # e.g. __pycache__ written by an earlier run: never reused
+        g.clean("-ffdX")  # e.g. __pycache__ written by an earlier run: never reused
         return None
 
     def _ignored_by_stock(self, paths: list[str]) -> list[str]:
