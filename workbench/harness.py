@@ -11,8 +11,9 @@ itself, around the request/answer pair on the pipe. The process runs
   whole process tree (polled from outside, with an address-space rlimit as a backstop),
 - in its own session: on a limit or at the end the whole process group is killed (and, sandboxed,
   its PID namespace with it),
-- sandboxed where the machine allows (`unshare`: new user, mount, network and PID namespaces, a root
-  holding only the worktree, the model files and the Python environment; see `_sandbox_init.py`).
+- sandboxed where the machine allows (new user, mount, network and PID namespaces, an unused host
+  uid when the workbench runs as root, no capabilities, a root holding only the worktree, the model
+  files and the Python environment; see `_sandbox_init.py`).
   Where no sandbox is available the report says so in capitals, and `SPECPILOT_REQUIRE_SANDBOX=1`
   turns that into an error.
 """
@@ -65,19 +66,27 @@ class Limits:
 
 @cache
 def sandbox_status() -> tuple[bool, str]:
-    """Whether `unshare` can build the sandbox here, and why not when it cannot."""
+    """Whether the sandbox can be built here (tried for real, on `true`), and why not when it cannot."""
     if os.environ.get("SPECPILOT_NO_SANDBOX") == "1":
         return False, "disabled by SPECPILOT_NO_SANDBOX=1"
     if sys.platform != "linux":
         return False, f"no user namespaces on {sys.platform}"
+    true = next((p for p in ("/usr/bin/true", "/bin/true") if os.path.exists(p)), "/usr/bin/true")
+    spec = sandbox_spec(Path("/usr"), [], [true], {"PATH": "/usr/bin:/bin"}, 256)
     try:
-        r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork",
-                            "true"], capture_output=True, text=True, timeout=20)
+        r = subprocess.run(sandbox_command(spec), capture_output=True, text=True, timeout=20, env=_host_env())
     except (OSError, subprocess.TimeoutExpired) as e:
-        return False, f"unshare failed to run: {e}"
+        return False, f"the sandbox failed to start: {e}"
     if r.returncode != 0:
-        return False, f"unshare refused: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
-    return True, "unshare: user, mount, network and PID namespaces"
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit status {r.returncode}"
+        return False, f"the sandbox was refused: {last}"
+    who = "an unused host uid" if os.geteuid() == 0 else "this user's uid"
+    return True, f"user, mount, network and PID namespaces; the candidate runs as {who}, without capabilities"
+
+
+def sandbox_command(spec: dict) -> list[str]:
+    """The command that builds the sandbox `spec` describes and execs its argv inside."""
+    return [sys.executable, "-I", str(_INIT), json.dumps(spec)]
 
 
 # The only variables of the workbench's environment a candidate sees (an allow-list: a secret under a
@@ -86,6 +95,10 @@ CANDIDATE_ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "
                        "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TRITON_INTERPRET", "OPENBLAS_CORETYPE",
                        "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MAX_PROTOCOL_LINE = 4 * 2**20  # bytes: a longer line from the system is a protocol violation, not buffered
+# A system's log (its stderr) keeps its first LOG_HEAD_BYTES and its last LOG_TAIL_BYTES; what lies
+# between is dropped and counted (a candidate cannot fill the host's disk by printing).
+LOG_HEAD_BYTES, LOG_TAIL_BYTES = 2**20, 64 * 2**10
+SANDBOX_TMPFS = ("/tmp", "/dev/shm")  # RAM-backed inside the sandbox: counted in its memory
 
 
 def clean_env(worktree: Path, threads: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -134,16 +147,52 @@ def _tree(root_pid: int) -> list[int]:
     return out
 
 
-def _tree_rss(root_pid: int) -> int:
-    """Resident bytes of `root_pid` and all its descendants."""
+def _tree_rss(pids: list[int]) -> int:
+    """Resident bytes of these processes."""
     total = 0
-    for pid in _tree(root_pid):
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/statm", "rb") as f:
                 total += int(f.read().split()[1]) * _PAGE
         except OSError:
             pass
     return total
+
+
+def _sandbox_tmpfs_bytes(pids: list[int]) -> int:
+    """Bytes stored in the sandbox's RAM-backed file systems, seen from outside through the root of
+    the first process of `pids` that has pivoted into it (0 before that)."""
+    host_root = os.stat("/").st_dev
+    for pid in pids:
+        try:
+            if os.stat(f"/proc/{pid}/root").st_dev == host_root:
+                continue
+            total = 0
+            for mount_point in SANDBOX_TMPFS:
+                st = os.statvfs(f"/proc/{pid}/root{mount_point}")
+                total += (st.f_blocks - st.f_bfree) * st.f_frsize
+            return total
+        except OSError:
+            continue
+    return 0
+
+
+def _capped_copy(src, log_path: Path) -> None:
+    """Copy the system's stderr into its log: the head, a count of what was dropped, then the tail."""
+    head_left, tail, dropped = LOG_HEAD_BYTES, bytearray(), 0
+    with open(log_path, "ab") as log:
+        while chunk := src.read1(65536):
+            if head_left > 0:
+                log.write(chunk[:head_left])
+                log.flush()
+                chunk, head_left = chunk[head_left:], max(0, head_left - len(chunk))
+            tail += chunk
+            if len(tail) > LOG_TAIL_BYTES:
+                dropped += len(tail) - LOG_TAIL_BYTES
+                del tail[:len(tail) - LOG_TAIL_BYTES]
+        if dropped:
+            log.write(f"\n[specpilot: {dropped} bytes of this log dropped; its last {len(tail)} follow]\n".encode())
+        log.write(tail)
 
 
 @dataclass
@@ -173,6 +222,7 @@ class SystemProcess:
         self.sandboxed = False
         self.sandbox_note = ""
         self.peak_rss = 0
+        self._log_thread: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -187,21 +237,21 @@ class SystemProcess:
         env = clean_env(self.worktree, self.limits.threads, self.env_extra)
         if use:
             spec = sandbox_spec(self.worktree, self.read_only, self.argv, env, self.limits.memory_mb)
-            cmd = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
-                   sys.executable, "-I", str(_INIT), json.dumps(spec)]
+            cmd = sandbox_command(spec)
             preexec = _die_with_parent
         else:
             cmd, preexec = self.argv, self._rlimit
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE if self.log_path else subprocess.DEVNULL,
                                          cwd=self.worktree, env=env if not use else _host_env(),
                                          start_new_session=True, preexec_fn=preexec)
         except OSError as e:
             raise SystemCrash("start", f"could not start {self.argv[0]}: {e}") from None
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
+        if self.log_path:
+            self._log_thread = threading.Thread(target=_capped_copy, args=(self.proc.stderr, self.log_path),
+                                                daemon=True)
+            self._log_thread.start()
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
         ready = self._get(self.limits.start_s, "start-up (model loading)")
@@ -335,6 +385,8 @@ class SystemProcess:
         return SystemCrash("exit", f"the system {what} {when}" + (f": {tail}" if tail else ""))
 
     def _log_tail(self) -> str:
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=2)  # the copy ends when the last writer of the pipe is gone
         if not self.log_path or not self.log_path.exists():
             return ""
         lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -360,7 +412,8 @@ class SystemProcess:
     def _watch(self) -> None:
         limit = self.limits.memory_mb * 2**20
         while self.proc is not None and self.proc.poll() is None:
-            rss = _tree_rss(self.proc.pid)
+            pids = _tree(self.proc.pid)
+            rss = _tree_rss(pids) + (_sandbox_tmpfs_bytes(pids) if self.sandboxed else 0)
             self.peak_rss = max(self.peak_rss, rss)
             if rss > limit:
                 self.kill("memory")
@@ -370,12 +423,12 @@ class SystemProcess:
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the harness dies (kill -9 included), so no candidate
-    outlives the evaluation that started it; sandboxed, `unshare --kill-child` then ends its namespace."""
+    outlives the evaluation that started it; sandboxed, the init's own death signal then ends its namespace."""
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _host_env() -> dict[str, str]:
-    """The environment `unshare` itself runs with (the candidate's comes from the sandbox spec)."""
+    """The environment the sandbox's init runs with (the candidate's comes from the sandbox spec)."""
     return {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}

@@ -1,0 +1,164 @@
+"""The sandbox itself, attacked from inside by small probe programs (real namespaces, no model).
+
+Each probe runs under the same spec and init the harness uses for candidates and reports, as JSON,
+what it managed; the host side checks the sandboxed processes' host uids from /proc. Skips, saying
+why, where the machine cannot build the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench._sandbox_init import CANDIDATE_ID, SANDBOX_UID_BASE
+from workbench.harness import (
+    LOG_HEAD_BYTES,
+    LOG_TAIL_BYTES,
+    Limits,
+    SystemCrash,
+    SystemProcess,
+    _host_env,
+    _tree,
+    clean_env,
+    sandbox_command,
+    sandbox_spec,
+    sandbox_status,
+)
+
+SANDBOX, SANDBOX_WHY = sandbox_status()
+pytestmark = pytest.mark.skipif(not SANDBOX, reason=f"no sandbox on this machine: {SANDBOX_WHY}")
+
+PROBE = r'''
+import ctypes, errno, json, os, socket, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+got = {}
+def tried(name, f):
+    try:
+        f()
+        got[name] = True
+    except OSError as e:
+        got[name] = e.strerror or str(e)
+got["uid"], got["gid"], got["euid"] = os.getuid(), os.getgid(), os.geteuid()
+got["cap_eff"] = [ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("CapEff")][0]
+tried("core_pattern", lambda: open("/proc/sys/kernel/core_pattern", "w").close())
+tried("proc_sys", lambda: open("/proc/sys/vm/swappiness", "w").write("60"))
+tried("sysrq", lambda: open("/proc/sysrq-trigger", "w").write("h"))
+tried("host_root_home", lambda: os.listdir("/root/.ssh"))
+tried("etc_shadow", lambda: open("/etc/shadow").read())
+tried("write_root", lambda: open("/evil", "w").close())
+tried("write_worktree", lambda: open("written.txt", "w").close())
+def call(rc):
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+tried("mount_tmpfs", lambda: call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, None)))
+tried("umount_proc_sys", lambda: call(libc.umount2(b"/proc/sys", 2)))
+tried("network", lambda: socket.create_connection(("10.255.255.1", 80), timeout=1))
+tried("loopback_listen", lambda: socket.socket().bind(("127.0.0.1", 0)))
+def big(path, mib):
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(bytes(1 << 20))
+tried("tmp_600m", lambda: big("/tmp/big", 600))
+os.unlink("/tmp/big") if os.path.exists("/tmp/big") else None
+tried("shm_100m", lambda: big("/dev/shm/big", 100))
+# Fork until refused: the process limit must stop it well short of starving the host.
+kids = []
+try:
+    for _ in range(3000):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        kids.append(pid)
+    got["forks"] = len(kids)
+except OSError as e:
+    got["forks"] = len(kids)
+    got["fork_error"] = e.strerror
+for pid in kids:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print(json.dumps(got), flush=True)
+sys.stdin.readline()  # hold still while the host looks at us
+'''
+
+
+def _sandboxed(tmp_path: Path, script: str, **spec_extra: object) -> subprocess.Popen:
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "probe.py").write_text(script)
+    argv = [sys.executable, "-I", str(wt / "probe.py")]
+    spec = sandbox_spec(wt, [], argv, clean_env(wt, 1), 1024) | spec_extra
+    return subprocess.Popen(sandbox_command(spec), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=_host_env(), cwd=wt, start_new_session=True)
+
+
+def test_the_candidate_is_unprivileged_inside_and_outside_and_contained(tmp_path):
+    proc = _sandboxed(tmp_path, PROBE, max_processes=200)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read().decode()[-2000:]
+        got = json.loads(line)
+        host_uids = set()
+        for pid in _tree(proc.pid):
+            with open(f"/proc/{pid}/status") as f:
+                host_uids |= {int(ln.split()[1]) for ln in f if ln.startswith("Uid:")}
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    # Inside: not root, no capability.
+    assert (got["uid"], got["gid"], got["euid"]) == (CANDIDATE_ID, CANDIDATE_ID, CANDIDATE_ID)
+    assert int(got["cap_eff"], 16) == 0
+    # Outside: an unused uid when the workbench is root (never 0), else the workbench's own.
+    if os.geteuid() == 0:
+        assert host_uids and all(u >= SANDBOX_UID_BASE for u in host_uids), host_uids
+    else:
+        assert host_uids == {os.geteuid()}
+    for attack in ("core_pattern", "proc_sys", "sysrq", "host_root_home", "etc_shadow", "write_root",
+                   "write_worktree", "mount_tmpfs", "umount_proc_sys", "network", "tmp_600m", "shm_100m"):
+        assert got[attack] is not True, f"{attack} succeeded inside the sandbox"
+    assert got["loopback_listen"] is True  # only the namespace's own loopback
+    assert got["forks"] < 200 and got.get("fork_error"), got
+    assert not (tmp_path / "wt" / "written.txt").exists()
+
+
+SERVER = r'''
+import json, os, sys
+sys.stderr.write("x" * (3 << 20) + "\nthe last line\n"); sys.stderr.flush()
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("op") == "quit":
+        break
+    for name in ("a", "b"):  # two files: one file may not pass 256 MiB
+        with open("/tmp/hoard-" + name, "ab") as f:
+            for _ in range(200):
+                f.write(bytes(1 << 20))
+    print(json.dumps({"id": req["id"], "tokens": [1]}), flush=True)
+'''
+
+
+def test_sandbox_tmpfs_counts_as_memory_and_the_log_is_capped(tmp_path):
+    """400 MiB written to the sandbox's RAM-backed /tmp passes a 300 MiB limit (the process itself
+    stays small); 3 MiB of stderr leave a log of head + tail with the drop counted."""
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "server.py").write_text(SERVER)
+    log = tmp_path / "server.log"
+    sp = SystemProcess(wt, [sys.executable, "-I", str(wt / "server.py")], limits=Limits(memory_mb=300, request_s=30),
+                       log_path=log, sandbox=True)
+    with sp:
+        with pytest.raises(SystemCrash) as err:
+            sp.generate([1, 2], 4)
+    assert err.value.kind == "memory", err.value.reason
+    deadline = time.time() + 5
+    while "bytes of this log dropped" not in log.read_text(errors="replace") and time.time() < deadline:
+        time.sleep(0.1)
+    text = log.read_text(errors="replace")
+    assert log.stat().st_size <= LOG_HEAD_BYTES + LOG_TAIL_BYTES + 200
+    assert "bytes of this log dropped" in text and text.rstrip().endswith("the last line")
