@@ -200,7 +200,7 @@ def _demo_target() -> str | None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of `specpilot profile hardware`: measures, stores, prints a summary; 2 on a user error."""
-    from costmodel.hardware import measure_cpu_local, save_profile
+    from costmodel.hardware import measure_cpu_local_repeated, save_profile
 
     if args.what != "hardware":
         return _fail(f"profile {args.what}: unknown; available: hardware")
@@ -210,7 +210,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {model}: no config.json there; pass a local Hugging Face model directory")
         if model:
             print(f"measuring this machine and the verify step of {model} (~{args.seconds:g} s)", file=sys.stderr)
-        profile = measure_cpu_local(model, args.seconds, args.context, args.dtype, name=args.name)
+        profile = measure_cpu_local_repeated(model, args.seconds, context=args.context, dtype=args.dtype,
+                                             name=args.name)
         path = save_profile(profile, args.out)
     except ValueError as e:
         return _fail(str(e))
@@ -220,7 +221,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"{profile.name}: copy bandwidth {profile.mem_bandwidth_GBps:.1f} GB/s, matmul bf16 "
           f"{profile.achieved_bf16_tflops * 1e3:.1f} GFLOPS, fp32 {profile.achieved_fp32_tflops * 1e3:.1f} GFLOPS, "
           f"overhead {profile.fixed_overhead_ms:.3f} ms + {profile.per_layer_overhead_ms:.3f} ms/layer "
-          f"({profile.measured['threads']} threads)")
+          f"({profile.measured['threads']} threads; quietest of {len(profile.measured['repeats'])} runs, "
+          f"spread {profile.measured['spread']:.0%}, load average {profile.measured['load_avg']})")
     val = profile.measured.get("validation")
     if val:
         print(f"verify sweep on {val['model']} (context {val['context']}): fitted bandwidth "

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import git
 import pytest
 
 from tests.conftest import needs_demo
 from tests.test_forcing import make_branch, patch_generate
-from workbench.cascade import evaluate
+from workbench.cascade import evaluate, noise_floor
 from workbench.forcing import stock_reference
 from workbench.loop import BASE_BRANCH, Loop, LoopOptions, merge_branch
 from workbench.workspace import Workspace, init_demo
@@ -23,7 +24,7 @@ pytestmark = needs_demo
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Workspace:
     w = init_demo(tmp_path_factory.mktemp("loop") / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1,
-                  limits={"request_s": 30, "start_s": 90})
+                  limits={"request_s": 30, "start_s": 90}, bench={"noise_pairs": 1})
     stock_reference(w, progress=False)
     yield w
     w.close()
@@ -87,6 +88,17 @@ def test_a_branch_lossless_when_forced_but_wrong_when_timed_is_rejected(ws, ceil
     att = evaluate(ws, "two-faced", ws.stock_commit, 1.3, ceiling)
     assert att.status == "rejected" and att.reason.startswith("timed output differs from stock"), att.reason
     assert "1 tokens where stock gives 16" in att.reason
+
+
+def test_the_keep_threshold_comes_from_the_base_against_itself_and_is_cached(ws):
+
+    first = noise_floor(ws, ws.stock_commit)
+    assert first["pairs"] == 1 and len(first["runs"]) == 1 and first["margin"] == 2.0
+    assert first["noise"] == pytest.approx(abs(first["runs"][0]["speedup"] - 1.0))
+    assert first["keep_threshold"] == pytest.approx(1.0 + 2.0 * first["noise"])
+    t0 = time.perf_counter()
+    assert noise_floor(ws, ws.stock_commit) == first  # read back, not measured again
+    assert time.perf_counter() - t0 < 5.0
 
 
 def test_a_protected_edit_is_rejected_before_anything_runs(ws, ceiling):

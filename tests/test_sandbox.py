@@ -162,3 +162,47 @@ def test_sandbox_tmpfs_counts_as_memory_and_the_log_is_capped(tmp_path):
     text = log.read_text(errors="replace")
     assert log.stat().st_size <= LOG_HEAD_BYTES + LOG_TAIL_BYTES + 200
     assert "bytes of this log dropped" in text and text.rstrip().endswith("the last line")
+
+
+ECHO = r'''
+import json, os, sys
+greedy = len(sys.argv) > 1
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("op") == "quit":
+        break
+    if greedy:  # more of the machine than the side it is compared with
+        os.sched_setaffinity(0, range(os.cpu_count()))
+    print(json.dumps({"id": req["id"], "tokens": [1, 2, 3]}), flush=True)
+'''
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin one side to one of them")
+def test_a_side_that_widens_its_cpu_affinity_while_timed_is_caught(tmp_path):
+    from workbench.measure import Prompt, paired_bench
+
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "echo.py").write_text(ECHO)
+    one = {min(os.sched_getaffinity(0))}
+    prompts = [Prompt(f"p{i}", [1, 2]) for i in range(4)]
+    argv = [sys.executable, "-I", str(wt / "echo.py")]
+    with SystemProcess(wt, argv) as a, SystemProcess(wt, argv) as b:
+        res = paired_bench(a, b, prompts, 3, cpus=one, min_passes=2, max_passes=2)  # the honest pair passes
+    assert res.passes == 2
+    with SystemProcess(wt, argv) as a, SystemProcess(wt, [*argv, "greedy"]) as b:
+        with pytest.raises(SystemCrash) as err:
+            paired_bench(a, b, prompts, 3, cpus=one)
+    assert err.value.kind == "cheat" and "outside the benchmark's" in err.value.reason
+
+
+def test_a_worktree_the_sandbox_uid_cannot_read_is_a_one_line_start_error(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root hands the candidate another uid")
+    wt = tmp_path / "wt"
+    wt.mkdir(mode=0o700)
+    (wt / "echo.py").write_text(ECHO)
+    with pytest.raises(SystemCrash) as err:
+        SystemProcess(wt, [sys.executable, "-I", str(wt / "echo.py")], sandbox=True).start()
+    assert err.value.kind == "start" and str(wt) in err.value.reason and "chmod" in err.value.reason

@@ -80,7 +80,7 @@ def ws(tmp_path_factory):
     from workbench.workspace import init_demo
 
     w = init_demo(tmp_path_factory.mktemp("tui") / "demo", forcing_max_new_tokens=16, prompt_limit=3, hidden=1,
-                  limits={"threads": 1, "start_s": 90, "request_s": 30, "memory_mb": 1536})
+                  limits={"threads": 1, "start_s": 90, "request_s": 30, "memory_mb": 1536}, bench={"noise_pairs": 1})
     make_branch(w, "ngram", "system.toml", 'drafter = "draft-model"', 'drafter = "ngram"')
     assert force(w, "ngram", progress=False)["status"] == "keep"
     make_branch(w, "bad-verify", "decoder/verify.py", *WRONG_ACCEPT)

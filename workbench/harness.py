@@ -44,7 +44,8 @@ _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd
 
 
 class SystemCrash(Exception):
-    """The system under test failed: `kind` is timeout, memory, exit, protocol or start; `reason` is one line."""
+    """The system under test failed: `kind` is timeout, memory, exit, protocol, start or cheat (it tried to
+    get more of the machine than the other side); `reason` is one line."""
 
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(reason)
@@ -123,6 +124,23 @@ def sandbox_spec(worktree: Path, read_only: list[Path], argv: list[str], env: di
     return {"read_only": [*ro, str(worktree)], "read_write": [], "cwd": str(worktree), "argv": argv, "env": env,
             "rlimit_as": (memory_mb + 4096) * 1024 * 1024,
             "dev_extra": sorted(p.name for p in Path("/dev").glob("nvidia*") if not p.is_dir())}  # GPUs, if any
+
+
+def unreadable_for_sandbox(paths: list[Path]) -> Path | None:
+    """The first of `paths` (or of their direct entries) that the sandbox's uid could not read, when the
+    workbench runs as root (the candidate then runs as an unrelated uid); None when all can be read."""
+    if os.geteuid() != 0:
+        return None  # the candidate keeps this user's uid
+    for top in paths:
+        for p in [top, *(sorted(top.iterdir()) if top.is_dir() and not top.is_symlink() else [])]:
+            try:
+                mode = p.stat().st_mode
+            except OSError:
+                continue
+            need = 0o005 if p.is_dir() else 0o004
+            if mode & need != need:
+                return p
+    return None
 
 
 def _tree(root_pid: int) -> list[int]:
@@ -237,6 +255,11 @@ class SystemProcess:
         env = clean_env(self.worktree, self.limits.threads, self.env_extra)
         if use:
             spec = sandbox_spec(self.worktree, self.read_only, self.argv, env, self.limits.memory_mb)
+            closed = unreadable_for_sandbox([Path(p) for p in spec["read_only"]])
+            if closed:
+                raise SystemCrash("start", f"{closed} is not readable by the sandbox's unprivileged uid (mode "
+                                           f"{closed.stat().st_mode & 0o777:o}); run `chmod -R o+rX {closed}` or "
+                                           f"run SpecPilot as an unprivileged user")
             cmd = sandbox_command(spec)
             preexec = _die_with_parent
         else:
@@ -291,6 +314,32 @@ class SystemProcess:
             for pid in reversed(pids):
                 with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
+
+    def _threads(self) -> list[int]:
+        tids = []
+        for pid in _tree(self.proc.pid) if self.proc is not None else []:
+            with suppress(OSError):
+                tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        return tids
+
+    def pin(self, cpus: set[int]) -> None:
+        """Every thread of the system's process tree onto `cpus` (new ones inherit it)."""
+        for tid in self._threads():
+            with suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
+
+    def check_pinned(self, cpus: set[int]) -> None:
+        """Raise when a thread of the system runs outside `cpus`: it widened its own affinity to get more
+        of the machine than the side it is compared with."""
+        for tid in self._threads():
+            try:
+                mine = os.sched_getaffinity(tid)
+            except OSError:
+                continue  # gone
+            if not mine <= cpus:
+                self.kill("cheat")
+                raise SystemCrash("cheat", f"thread {tid} moved itself to CPUs {sorted(mine)} outside the "
+                                           f"benchmark's {sorted(cpus)} while being timed")
 
     def close(self) -> None:
         """Ask the system to quit, then kill what is left of its process group."""

@@ -5,8 +5,9 @@ work holds the machine's measurement lock (a file lock in the data directory), s
 time their systems at once on the same cores.
 
 A paired benchmark runs two systems side by side on the same prompts, in an order drawn anew every
-pass from the OS's randomness (half the pairs A first, half B first), the idle side frozen (SIGSTOP)
-while the other is timed, pass after pass, until the 95% confidence interval of the time ratio is
+pass from the OS's randomness (half the pairs A first, half B first), both sides pinned to the same
+CPUs (re-checked after every timed request), the idle side frozen (SIGSTOP) while the other is timed,
+pass after pass, until the 95% confidence interval of the time ratio is
 tight (half-width under `rel_ci` of the ratio) or the budget ends. `speedup` is time(A) / time(B):
 B's speedup over A.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import math
+import os
 import random
 import statistics
 import threading
@@ -112,8 +114,13 @@ def _ci(ratios: list[float]) -> tuple[float, float, float]:
 
 def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: int, *, min_passes: int = 3,
                  max_passes: int = 8, rel_ci: float = 0.02, budget_s: float = 300.0,
-                 config_a: dict | None = None, config_b: dict | None = None) -> PairResult:
-    """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends."""
+                 config_a: dict | None = None, config_b: dict | None = None,
+                 cpus: set[int] | None = None) -> PairResult:
+    """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends.
+
+    Both sides run on `cpus` (default: the CPUs this process may use); a side found outside them
+    after a timed request raises SystemCrash(kind="cheat")."""
+    cpus = set(cpus) if cpus else os.sched_getaffinity(0)
     ratios: list[float] = []
     ta_all = tb_all = 0.0
     tok_a = tok_b = 0
@@ -122,6 +129,8 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     b_out: dict[str, list[list[int]]] = {}
     t0 = time.perf_counter()
     with measurement_lock():
+        a.pin(cpus)
+        b.pin(cpus)
         for p in prompts[:1]:  # warm both (lazy initialisation, caches) outside the measurement
             a.generate(p.ids, min(n, 8), config=config_a)
             b.generate(p.ids, min(n, 8), config=config_b)
@@ -139,6 +148,7 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                     idle = b if sp is a else a
                     with idle.frozen():  # the other side cannot compute ahead or load the CPU meanwhile
                         res[id(sp)] = sp.generate(p.ids, n, config=config_a if sp is a else config_b)
+                    sp.check_pinned(cpus)
                 ra, rb = res[id(a)], res[id(b)]
                 ta += ra.seconds
                 tb += rb.seconds

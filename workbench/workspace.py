@@ -35,6 +35,9 @@ from store import Branch, Memory
 from workbench.safegit import SafeGitError, worktree_admin_dir, worktree_git
 
 STOCK_TAG = "stock"
+# The keep threshold (cascade.noise_floor): the base timed against itself in this many fresh process
+# pairs; a candidate must beat 1 + margin x the largest deviation they show.
+NOISE_PAIRS, NOISE_MARGIN = 3, 2.0
 MANUAL_ROUND = "manual"  # branches made by hand (`specpilot branch create`) belong to the round in this status
 NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 LIVE_STATUSES = ("evaluating", "running")  # an evaluation or an agent in progress
@@ -60,6 +63,7 @@ class WorkspaceConfig:
     forcing_max_new_tokens: int = 64
     max_mismatches_per_prompt: int = 16
     limits: dict = field(default_factory=dict)
+    bench: dict = field(default_factory=dict)  # noise_pairs, noise_margin: see cascade.noise_floor
 
     @classmethod
     def load(cls, path: Path) -> WorkspaceConfig:
@@ -72,14 +76,15 @@ class WorkspaceConfig:
             raise WorkspaceError(f"{path}: not valid TOML ({e})") from None
         try:
             d, s = data["deployment"], data["system"]
-            f, lim = data.get("forcing", {}), data.get("limits", {})
+            f, lim, bench = data.get("forcing", {}), data.get("limits", {}), data.get("bench", {})
             return cls(name=d["name"], target=Path(d["target"]), drafter=Path(d["drafter"]) if d.get("drafter")
                        else None, tokenizer=Path(d.get("tokenizer", d["target"])), dtype=d.get("dtype", "bfloat16"),
                        device=d.get("device", "cpu"), hardware=d.get("hardware", "cpu-local"),
                        batch_sizes=list(d.get("batch_sizes", [1])), entry=list(s["entry"]),
                        config_file=s.get("config", "system.toml"), protected=list(s.get("protected", [])),
                        forcing_max_new_tokens=int(f.get("max_new_tokens", 64)),
-                       max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim))
+                       max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim),
+                       bench=dict(bench))
         except KeyError as e:
             raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
 
@@ -100,6 +105,8 @@ class WorkspaceConfig:
                   "[forcing]", f"max_new_tokens = {self.forcing_max_new_tokens}",
                   f"max_mismatches_per_prompt = {self.max_mismatches_per_prompt}", "", "[limits]"]
         lines += [f"{k} = {json.dumps(v)}" for k, v in self.limits.items()]
+        if self.bench:
+            lines += ["", "[bench]"] + [f"{k} = {json.dumps(v)}" for k, v in self.bench.items()]
         return "\n".join(lines) + "\n"
 
     def model_dirs(self) -> list[Path]:
@@ -454,7 +461,7 @@ def _split_prompts(rows: list[dict], hidden: int) -> tuple[list[dict], list[dict
 
 def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
               hidden: int = DEMO_HIDDEN, limits: dict | None = None, prompts: str = "code",
-              name: str | None = None) -> Workspace:
+              name: str | None = None, bench: dict | None = None) -> Workspace:
     """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts.
 
     The keyword arguments shrink it (fewer prompts, shorter forcing, tighter limits), e.g. for tests.
@@ -483,7 +490,7 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     path.mkdir()
     try:
         _build_demo(path, name=name, forcing_max_new_tokens=forcing_max_new_tokens, limits=limits, prompts=prompts,
-                    prompt_limit=prompt_limit, hidden=hidden)
+                    prompt_limit=prompt_limit, hidden=hidden, bench=bench)
         if final.exists():
             final.rmdir()  # an empty folder was allowed above; a non-empty one was refused
         os.replace(path, final)
@@ -500,7 +507,7 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
 
 
 def _build_demo(path: Path, *, name: str, forcing_max_new_tokens: int, limits: dict | None, prompts: str,
-                prompt_limit: int | None, hidden: int) -> None:
+                prompt_limit: int | None, hidden: int, bench: dict | None = None) -> None:
     import decoder
     import kernels
     from decoder.config import DecodeConfig
@@ -521,7 +528,8 @@ def _build_demo(path: Path, *, name: str, forcing_max_new_tokens: int, limits: d
         protected=list(DEMO_PROTECTED),
         forcing_max_new_tokens=forcing_max_new_tokens,
         # one thread: on a shared 2-core machine OpenMP spin-waits make two threads up to 10x slower
-        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 1, **(limits or {})})
+        limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 1, **(limits or {})},
+        bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})})
     (path / "specpilot.toml").write_text(cfg.to_toml())
     DecodeConfig().save(path / cfg.config_file)
     (path / ".gitignore").write_text(GITIGNORE)
