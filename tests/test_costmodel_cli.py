@@ -231,3 +231,15 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "gpu_check_costmodel.json").read_text())
     assert len(summary["cells"]) == 21
     assert load_profile(tmp_path / "h200-fitted.json").name == "h200-fitted"
+
+
+@pytest.mark.slow
+def test_a_repeated_profile_keeps_the_quietest_run_with_its_evidence(tmp_path):
+    from costmodel.hardware import measure_cpu_local_repeated, profile_spread
+
+    hw = measure_cpu_local_repeated(None, seconds_budget=3.0, repeats=3, threads=1)
+    runs = hw.measured["repeats"]
+    assert len(runs) == 3 and hw.measured["measured_at"] and hw.measured["load_avg"] >= 0
+    times = [r["forward_ms"] for r in runs]
+    assert hw.measured["tiny_forward_ms"]["4_layers"] == pytest.approx(min(times), abs=1e-3)
+    assert profile_spread(hw) == pytest.approx((max(times) - min(times)) / min(times), abs=1e-3)

@@ -269,3 +269,14 @@ def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
         assert [d.family for d in loop.directions(bd, set())] == ["host-overhead", "drafting"]
     finally:
         repo.git.worktree("remove", "--force", str(wt))
+
+
+def test_the_demo_times_candidates_on_prompts_agents_never_see(tmp_path):
+    """A candidate replaying stock's outputs for the visible prompts gains nothing where it is timed."""
+    from workbench.cascade import timing_prompts
+    from workbench.measure import load_prompts
+
+    w = init_demo(tmp_path / "demo")
+    timed = {p.id for p in timing_prompts(w)}
+    assert len(timed) >= 4 and not timed & {p.id for p in load_prompts(w)}
+    assert timed == {p.id for p in load_prompts(w, "hidden")}

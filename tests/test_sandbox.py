@@ -206,3 +206,81 @@ def test_a_worktree_the_sandbox_uid_cannot_read_is_a_one_line_start_error(tmp_pa
     with pytest.raises(SystemCrash) as err:
         SystemProcess(wt, [sys.executable, "-I", str(wt / "echo.py")], sandbox=True).start()
     assert err.value.kind == "start" and str(wt) in err.value.reason and "chmod" in err.value.reason
+
+
+BURNER = r'''
+import json, os, sys, threading
+def burn():
+    while True:
+        pass
+if os.fork() == 0:  # a child process burns too: freezing must reach the whole tree
+    burn()
+threading.Thread(target=burn, daemon=True).start()
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()
+'''
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_idle_side_is_frozen_whole_while_the_other_is_timed(tmp_path):
+    """A side that computes ahead or burns CPU during the other's turn: its process tree gets no CPU
+    while frozen (checked from /proc), and runs again after."""
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "burner.py").write_text(BURNER)
+    with SystemProcess(wt, [sys.executable, "-I", str(wt / "burner.py")]) as sp:
+        time.sleep(0.3)
+        pids = _tree(sp.proc.pid)
+        with sp.frozen():
+            time.sleep(0.2)  # signals delivered, stops settled
+            before = _cpu_seconds(pids)
+            time.sleep(1.0)
+            frozen = _cpu_seconds(pids) - before
+        before = _cpu_seconds(pids)
+        time.sleep(1.0)
+        running = _cpu_seconds(pids) - before
+    assert frozen <= 0.02, frozen
+    assert running >= 0.3, running
+
+
+RECORDER = r'''
+import json, sys
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("op") == "quit":
+        break
+    print(json.dumps({"id": req["id"], "tokens": req["prompt_ids"][:1]}), flush=True)
+'''
+
+
+def test_the_benchmark_order_is_new_every_pass(tmp_path):
+    """A candidate that predicts the next prompt from the order cannot: every pass draws a new one."""
+    from workbench.measure import Prompt, paired_bench
+
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "rec.py").write_text(RECORDER)
+    prompts = [Prompt(f"p{i}", [i]) for i in range(6)]
+    argv = [sys.executable, "-I", str(wt / "rec.py")]
+    seen: list[int] = []
+    with SystemProcess(wt, argv) as a, SystemProcess(wt, argv) as b:
+        gen = b.generate
+
+        def recording(ids, n, **kw):
+            seen.append(ids[0])
+            return gen(ids, n, **kw)
+
+        b.generate = recording
+        paired_bench(a, b, prompts, 1, min_passes=4, max_passes=4, rel_ci=0.0)
+    passes = [tuple(seen[1 + 6 * i:1 + 6 * (i + 1)]) for i in range(4)]  # after the one warm-up request
+    assert all(sorted(p) == list(range(6)) for p in passes), passes
+    assert len(set(passes)) > 1, passes  # 4 equal draws of 720 orders: about 1 in 4e8
