@@ -30,7 +30,7 @@ GAPS = {
         "gaps": [{"name": "prefill", "family": "compute", "ms_per_token": 12.478469},
                  {"name": "host/launch overhead", "family": "host-overhead", "ms_per_token": 8.63292},
                  {"name": "drafting", "family": "drafting", "ms_per_token": 6.150353},
-                 {"name": "acceptance gap", "family": "acceptance", "ms_per_token": 5.103323},
+                 {"name": "acceptance gap", "family": "acceptance", "ms_per_token": 5.103323, "could_save": True},
                  {"name": "bookkeeping", "family": "host-overhead", "ms_per_token": 0.351133},
                  {"name": "other host time", "family": "host-overhead", "ms_per_token": 0.292358},
                  {"name": "compute", "family": "compute", "ms_per_token": 0.133349},
@@ -117,7 +117,10 @@ def test_overview_shows_deployment_gaps_and_rounds(ws):
             await opened(pilot)
             snap = app.snapshot
             assert snap.deployment["name"] == "demo" and snap.deployment["drafter"].endswith("drafter")
-            assert snap.families["compute"] == pytest.approx(12.611818) and snap.gaps_round == 1
+            assert snap.families["compute"] == pytest.approx(12.611818) and snap.gaps_label == "round 1"
+            # The solid bars are the parts of the measured time and add up to it; acceptance is beyond it.
+            assert sum(snap.families.values()) == pytest.approx(snap.measured_ms, abs=1e-4)
+            assert snap.could_save == {"acceptance": pytest.approx(5.103323)}
             assert snap.speedups == [(1, 1.31)]
             bars = str(app.query_one("#gaps").render())
             assert "compute" in bars and "12.612 ms" in bars and "█" in bars
@@ -201,7 +204,7 @@ def test_diff_and_help_and_palette(ws):
             await pilot.pause()
             assert not app.screen.query(HelpPanel)
             names = [c[0] for c in SpecPilotCommands(app.screen).commands()]
-            assert "Merge ngram into base" in names and "Diff of ngram against stock" in names
+            assert "Merge ngram into base" in names and "Diff of ngram against its base" in names
             assert not any(n.startswith("Steer") for n in names)  # no agent running
             app.diff_branch("no-such-branch")  # a failure is a notification, not a traceback
             await until(pilot, lambda: any("diff failed" in (n.title or "") for n in app._notifications), 20,
@@ -232,6 +235,7 @@ def test_merge_into_base_asks_then_merges(ws):
         assert repo.is_ancestor(repo.commit("ngram"), repo.commit("base"))
         assert 'drafter = "ngram"' in repo.git.show("base:system.toml")
         assert repo.head.ref.name == "main"  # the workspace's own checkout is untouched
+        assert ws.branch("ngram").status == "merged"  # no longer reads "kept"
 
     run(go())
 
@@ -297,6 +301,128 @@ def test_reject_and_search(ws):
     run(go())
 
 
+def test_real_mismatches_only_with_shift_n_and_p(ws):
+    from workbench.tui.widgets import ForcingPane
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            app.open_forcing("bad-verify")
+            pane = app.query_one(ForcingPane)
+            await until(pilot, lambda: pane.report is not None and pane.report["branch"] == "bad-verify", 30,
+                        "the forcing report")
+            mm = pane.report["mismatches"]
+            real = [i for i, m in enumerate(mm) if not m.get("near_tie")]
+            assert real
+            for want in [*real[1:], real[0]] if real[0] == 0 else [*real, real[0]]:
+                await pilot.press("N")
+                assert pane.current() == want and "REAL" in pane.caption
+            await pilot.press("P")
+            assert pane.current() == real[-1]
+            assert app.is_running
+
+    run(go())
+
+
+def test_stale_and_live_branches_say_so(ws):
+    """A branch marked running with no process behind it reads "running (no process)"; one whose work
+    reports progress shows the phase, count and elapsed time in the "now" column."""
+    from workbench.progress import step, tracking
+
+    ws.create_branch("orphan")
+    b = ws.branch("orphan")
+    ws.memory.update_branch(b.id, status="running")  # as a killed agent leaves it; no lock, no process
+    ws.create_branch("busy")
+    ws.begin_evaluation(ws.branch("busy"))  # this process evaluates it
+    try:
+        with tracking(ws.state, "busy"):
+            step("forcing", 3, 8, "0 mismatches")
+
+            async def go():
+                app = app_for(ws)
+                async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+                    await opened(pilot)
+                    await pilot.press("2")
+                    table = app.query_one("#branches-table")
+                    assert str(table.get_cell("orphan", "status")) == "running (no process)"
+                    assert "E resumes" in str(table.get_cell("orphan", "progress"))
+                    now = str(table.get_cell("busy", "progress"))
+                    assert now.startswith("forcing 3/8 · ") and "0 mismatches" in now
+                    assert str(table.get_cell("busy", "status")) == "evaluating"
+
+            run(go())
+    finally:
+        ws.end_evaluation(ws.branch("busy"), "created")
+        ws.memory.update_branch(b.id, status="created")
+
+
+def test_the_launch_dialog_says_what_cannot_run(ws, monkeypatch):
+    """No LLM endpoint: the LLM option is disabled with the file to edit; a family the tuner has
+    nothing left for is refused for the tuner with a reason, and the dialog stays."""
+    from workbench.tui.screens import LaunchScreen
+
+    for var in ("OPENAI_BASE_URL", "SPECPILOT_LLM_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2", "l")
+            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+            screen = app.screen
+            assert screen.query_one("#kind-llm").disabled
+            assert str(ws.path / "specpilot.toml") in str(screen.query_one("#llm-unavailable").render())
+            empty = [i for i, c in enumerate(screen.choices) if not c.tuner_left]
+            assert empty and any(c.tuner_left for c in screen.choices)
+            screen.query_one("#direction").highlighted = empty[0]
+            await pilot.press("enter")
+            assert isinstance(app.screen, LaunchScreen)  # refused, not launched
+            assert "nothing left" in str(screen.query_one("#launch-problem").render())
+            await pilot.press("escape")
+            assert not app.live and app.is_running
+
+    run(go())
+
+
+def test_filter_then_delete_a_branch(ws):
+    ws.create_branch("doomed")
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
+            await opened(pilot)
+            await pilot.press("2")
+            table = app.query_one("#branches-table")
+            assert {"ngram", "bad-verify", "doomed"} <= {k.value for k in table.rows}
+            await pilot.press("slash", *"verify")
+            assert [k.value for k in table.rows] == ["bad-verify"]
+            await pilot.press("escape")
+            assert "doomed" in {k.value for k in table.rows}
+            select_row(app, "#branches-table", "doomed")
+            await pilot.press("D", "y")
+            await until(pilot, lambda: "doomed" not in {k.value for k in table.rows}, 20, "the row to go")
+            assert "doomed" not in git.Repo(ws.path).heads and ws.find_branch("doomed") is None
+            assert app.is_running
+
+    run(go())
+
+
+def test_enter_on_a_branch_opens_its_forcing_report(ws):
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
+            await opened(pilot)
+            await pilot.press("2")
+            select_row(app, "#branches-table", "bad-verify")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.active_tab() == "forcing" and app.forcing_branch == "bad-verify", 10,
+                        "the forcing tab")
+
+    run(go())
+
+
 def test_log_follows_the_store(ws):
     async def go():
         app = app_for(ws)
@@ -334,7 +460,7 @@ def test_launch_steer_stop_an_llm_agent(ws, monkeypatch):
                 await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
                 screen = app.screen
                 screen.query_one("#kind-llm").value = True
-                families = [f for f, _ in screen.directions]
+                families = [c.family for c in screen.choices]
                 assert families[0] == "compute"  # the largest gap first
                 screen.query_one("#direction").highlighted = families.index("drafting")
                 await pilot.press("enter")
@@ -362,6 +488,38 @@ def test_launch_steer_stop_an_llm_agent(ws, monkeypatch):
         run(go())
 
 
+def test_quit_with_an_agent_running_marks_it_interrupted(ws, monkeypatch):
+    from tests.openai_stub import OpenAIStub, call
+    from workbench.tui.screens import LaunchScreen
+
+    def keep_looking(body):
+        time.sleep(0.5)
+        return call("list_files", path=".")
+
+    with OpenAIStub([], after=keep_looking) as stub:
+        monkeypatch.setenv("OPENAI_BASE_URL", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("SPECPILOT_LLM_MODEL", "stub")
+
+        async def go():
+            app = app_for(ws)
+            async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+                await opened(pilot)
+                await pilot.press("2", "l")
+                await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+                app.screen.query_one("#kind-llm").value = True
+                await pilot.press("enter")
+                await until(pilot, lambda: len(stub.requests) >= 1, 60, "the agent's first request")
+                branch = next(iter(app.live))
+                await pilot.press("q")
+                await until(pilot, lambda: not app.is_running, 10, "the app to quit")
+            assert app.abandoned == [branch]
+            ev = [e for e in ws.memory.list_events() if e.kind == "tui.interrupted"]
+            assert ev and branch in ev[-1].message and "E re-evaluates" in ev[-1].message
+
+        run(go())
+
+
 @pytest.mark.slow
 def test_launch_a_tuner_runs_the_cascade(ws):
     from workbench.tui.screens import LaunchScreen
@@ -383,7 +541,7 @@ def test_launch_a_tuner_runs_the_cascade(ws):
     run(go())
 
 
-def test_startup_to_first_paint_is_quick(ws):
+def test_the_first_paint_does_not_wait_for_the_workspace(ws):
     async def go():
         from workbench.tui.app import make_app
 
@@ -394,7 +552,9 @@ def test_startup_to_first_paint_is_quick(ws):
             await opened(pilot)
             loaded = time.perf_counter() - t0
         print(f"\nspecpilot-tui startup: first paint {painted:.2f} s, store shown {loaded:.2f} s")
-        assert painted < 2.0 and loaded < 4.0
+        # The frame comes before the workspace is read (opening runs in a worker): never a blank wait.
+        # Times are printed, not asserted (shared machines); the tmux journey reports them too.
+        assert painted < loaded
 
     run(go())
 

@@ -7,7 +7,8 @@
                                                                   checked like forcing, every pass)
                                                                   / discard (no gain beyond the noise: a CI
                                                                   above 1 and a speedup past min_gain and
-                                                                  the keep threshold of `noise_floor`)
+                                                                  the keep threshold of `noise_floor`, twice:
+                                                                  in a second pair of fresh processes too)
     ceiling  speedup over AR under the cost model's ceiling    -> rejected (a reward-hacking flag)
     keep     all of the above passed
 
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from workbench.forcing import force, run_system, stock_reference, timed_output_problem
 from workbench.harness import SystemCrash
-from workbench.measure import load_prompts, paired_bench
+from workbench.measure import PairResult, load_prompts, paired_bench
+from workbench.progress import step
 from workbench.workspace import NOISE_MARGIN, NOISE_PAIRS, Workspace
 
 SMOKE_TOKENS = 16
@@ -83,7 +85,8 @@ def noise_floor(ws: Workspace, base: str, *, progress: Callable[[str], None] | N
         if progress:
             progress(f"  noise floor: the base against itself, pair {i + 1}/{pairs}")
         with run_system(ws, wt, f"noise-{i}a") as a, run_system(ws, wt, f"noise-{i}b") as b:
-            res = paired_bench(a, b, prompts, ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws))
+            res = paired_bench(a, b, prompts, ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws),
+                               label=f"noise {i + 1}/{pairs}")
         runs.append({"speedup": res.speedup, "ci95": [res.ci_low, res.ci_high], "passes": res.passes})
     noise = max(abs(r["speedup"] - 1.0) for r in runs)
     out = {"base": base, "pairs": pairs, "margin": margin, "noise": noise, "keep_threshold": 1.0 + margin * noise,
@@ -110,10 +113,12 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
                                         "rejected": "rejected"}[status], head_commit=ws.head(branch))
         return Attempt(status, reason, **kw)
 
+    step("guard")
     why = ws.guard(branch)
     if why:
         return stage("guard", "rejected", why)
 
+    step("smoke")
     ok, msg = smoke_run(ws, ws.worktree_path(branch), branch)
     if not ok:
         return stage("smoke", "crash", msg)
@@ -128,19 +133,29 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     if why:
         return stage("guard", "rejected", f"after forcing: {why}")
     say(f"  {branch}: paired benchmark against the base")
-    prompts = timing_prompts(ws)
-    try:
-        with run_system(ws, ws.detached_worktree("_base", base), "base") as a, \
-                run_system(ws, ws.worktree_path(branch), f"bench-{branch}") as c:
-            res = paired_bench(a, c, prompts, ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws))
-    except SystemCrash as e:
-        return stage("bench", "rejected" if e.kind == "cheat" else "crash", f"{e.kind}: {e.reason}")
-    metrics = res.as_dict()
     ref = stock_reference(ws, progress=False)
-    wrong = [w for pid, outs in res.b_outputs.items() for o in outs
-             if (w := timed_output_problem(ref, pid, o)) is not None]
-    if wrong:
-        return stage("bench", "rejected", f"timed output differs from stock ({len(wrong)}): {wrong[0]}", metrics)
+
+    def bench(label: str) -> tuple[PairResult | None, Attempt | None]:
+        """One paired benchmark in fresh processes, its timed outputs checked against stock."""
+        step(label, detail="starting both systems")
+        try:
+            with run_system(ws, ws.detached_worktree("_base", base), "base") as a, \
+                    run_system(ws, ws.worktree_path(branch), f"bench-{branch}") as c:
+                res = paired_bench(a, c, timing_prompts(ws), ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws),
+                                   label=label)
+        except SystemCrash as e:
+            return None, stage("bench", "rejected" if e.kind == "cheat" else "crash", f"{e.kind}: {e.reason}")
+        wrong = [w for pid, outs in res.b_outputs.items() for o in outs
+                 if (w := timed_output_problem(ref, pid, o)) is not None]
+        if wrong:
+            return None, stage("bench", "rejected", f"timed output differs from stock ({len(wrong)}): {wrong[0]}",
+                               res.as_dict())
+        return res, None
+
+    res, ended = bench("bench")
+    if ended is not None:
+        return ended
+    metrics = res.as_dict()
     over_ar = base_speedup_over_ar * res.speedup
     fine, why = plausible(over_ar, ceiling)
     kw = {"speedup": res.speedup, "speedup_over_ar": over_ar, "ci95": [res.ci_low, res.ci_high]}
@@ -153,8 +168,22 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     noise = noise_floor(ws, base, progress=say)
     keep_at = max(min_gain, noise["keep_threshold"])
     metrics.update(keep_threshold=keep_at, noise=noise["noise"])
-    if res.speedup >= keep_at:
-        return stage("bench", "keep", f"{res.line()} over the base (keep threshold {keep_at:.3f}x), "
-                                      f"{over_ar:.2f}x over AR; forcing clean", metrics, **kw)
-    return stage("bench", "discard", f"no gain beyond the noise: {res.line()} (needs >= {keep_at:.3f}x: the base "
-                                     f"against itself deviates up to {noise['noise']:.3f})", metrics, **kw)
+    if res.speedup < keep_at:
+        return stage("bench", "discard", f"no gain beyond the noise: {res.line()} (needs >= {keep_at:.3f}x: the base "
+                                         f"against itself deviates up to {noise['noise']:.3f})", metrics, **kw)
+    # Passed once: it must pass again in a second pair of fresh processes (a lucky pair, or a burst of
+    # load on one side, does not repeat), and the lower of the two is what it is credited with.
+    say(f"  {branch}: {res.line()}; confirming in fresh processes")
+    again, ended = bench("confirm")
+    if ended is not None:
+        return ended
+    metrics["confirm"] = again.as_dict()
+    if again.speedup < keep_at or again.ci_low <= 1.0:
+        return stage("bench", "discard", f"not reproduced: {res.line()}, then {again.line()} in fresh processes "
+                                         f"(needs >= {keep_at:.3f}x and a CI above 1 both times)", metrics, **kw)
+    low = min((res, again), key=lambda r: r.speedup)
+    over_ar = base_speedup_over_ar * low.speedup
+    kw = {"speedup": low.speedup, "speedup_over_ar": over_ar, "ci95": [low.ci_low, low.ci_high]}
+    return stage("bench", "keep", f"{low.line()} over the base, reproduced ({res.speedup:.3f}x and "
+                                  f"{again.speedup:.3f}x; keep threshold {keep_at:.3f}x), {over_ar:.2f}x over AR; "
+                                  f"forcing clean", metrics, **kw)

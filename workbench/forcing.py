@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from workbench.harness import Limits, SystemCrash, SystemProcess
+from workbench.progress import step
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
 STOCK_WORKTREE = "_stock"
@@ -221,8 +222,11 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
     sp = run_system(ws, ws.worktree_path(branch), branch)
     try:
         sp.start()
+        total = sum(len(fp["stock"]) for fp in ref["prompts"])
+        step("forcing", 0, total)
         for fp in tqdm(ref["prompts"], desc=f"forcing {branch}", disable=not progress, unit="prompt"):
             mm, pos, s, nt, r = _force_prompt(sp, fp, cap, tok)
+            step("forcing", checked + pos, total, f"{len(mismatches) + len(mm)} mismatches")
             mismatches += mm
             checked += pos
             first_s += s

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from workbench.progress import current_branch
+
 NO_SANDBOX_WARNING = ("NO SANDBOX: the candidate ran with this user's full file-system and network access "
                       "(unshare with user namespaces is unavailable here); its isolation is NOT enforced")
 _INIT = Path(__file__).with_name("_sandbox_init.py")
@@ -43,9 +45,23 @@ _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd
         "/etc/nsswitch.conf", "/etc/localtime", "/etc/os-release", "/etc/alternatives")
 
 
+_LIVE: dict[str, dict[int, SystemProcess]] = {}  # branch -> id -> its running systems (here), for cancel_branch
+_LIVE_LOCK = threading.Lock()
+
+
+def cancel_branch(branch: str) -> int:
+    """Kill every system this process runs for `branch`'s work now (their requests fail as `cancelled`);
+    returns how many there were."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE.get(branch, {}).values())
+    for sp in procs:
+        sp.kill("cancelled")
+    return len(procs)
+
+
 class SystemCrash(Exception):
-    """The system under test failed: `kind` is timeout, memory, exit, protocol, start or cheat (it tried to
-    get more of the machine than the other side); `reason` is one line."""
+    """The system under test failed: `kind` is timeout, memory, exit, protocol, start, cheat (it tried to
+    get more of the machine than the other side) or cancelled (from the TUI); `reason` is one line."""
 
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(reason)
@@ -241,6 +257,7 @@ class SystemProcess:
         self.sandbox_note = ""
         self.peak_rss = 0
         self._log_thread: threading.Thread | None = None
+        self.branch = current_branch()  # whose work this is: cancel_branch reaches it
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -275,6 +292,9 @@ class SystemProcess:
             self._log_thread = threading.Thread(target=_capped_copy, args=(self.proc.stderr, self.log_path),
                                                 daemon=True)
             self._log_thread.start()
+        if self.branch is not None:
+            with _LIVE_LOCK:
+                _LIVE.setdefault(self.branch, {})[id(self)] = self
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
         ready = self._get(self.limits.start_s, "start-up (model loading)")
@@ -343,6 +363,9 @@ class SystemProcess:
 
     def close(self) -> None:
         """Ask the system to quit, then kill what is left of its process group."""
+        if self.branch is not None:
+            with _LIVE_LOCK:
+                _LIVE.get(self.branch, {}).pop(id(self), None)
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -419,6 +442,8 @@ class SystemProcess:
         if self._killed == "memory":
             return SystemCrash("memory", f"resident memory {self.peak_rss / 2**20:.0f} MiB passed the "
                                          f"{self.limits.memory_mb} MiB limit {when}; process group killed")
+        if self._killed == "cancelled":
+            return SystemCrash("cancelled", f"cancelled by the engineer {when}; process group killed")
         if self._killed == "protocol":
             return SystemCrash("protocol", f"the system sent a line over {MAX_PROTOCOL_LINE // 2**20} MiB {when}; "
                                            f"process group killed")

@@ -33,6 +33,7 @@ from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, S
 from workbench.cascade import Attempt, bench_cpus, evaluate, timing_prompts
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import load_prompts, paired_bench, profile_entry
+from workbench.progress import step, tracking
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
 BASE_BRANCH = "base"
@@ -205,8 +206,27 @@ class Loop:
 
     # -- directions ------------------------------------------------------------------------------------
 
-    def gaps(self, commit: str) -> dict:
-        """Profile the base through the harness and break its time per token into ranked gaps."""
+    def gaps(self, commit: str, label: str = "") -> dict:
+        """Profile the base through the harness and break its time per token into ranked gaps. Saved per
+        commit (`.specpilot/gaps/<commit>.json`, with `label` and the time): a later launch on the same
+        base reuses it, and the TUI's Overview shows whichever ran last."""
+        path = self.ws.state / "gaps" / f"{commit}.json"
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("commit") == commit and saved.get("breakdown"):
+                return {"entry": saved["entry"], "breakdown": saved["breakdown"]}
+        except (OSError, ValueError):
+            pass
+        earlier = [r.summary["gaps"] for r in self.ws.memory.list_rounds(self.dep_id)
+                   if r.base_commit == commit and (r.summary.get("gaps") or {}).get("breakdown")]
+        out = earlier[-1] if earlier else self._profile_gaps(commit)  # a round already profiled this base
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"commit": commit, "label": label, "measured_at": time.time(), **out}))
+        os.replace(tmp, path)
+        return out
+
+    def _profile_gaps(self, commit: str) -> dict:
         from costmodel.gaps import measured_gaps
         from costmodel.model_profile import load_model_profile
         from decoder.config import DecodeConfig
@@ -289,9 +309,9 @@ class Loop:
 
             return TunerAgent(self.ws)
         if self.opts.agent == "llm":
-            from workbench.agents.llm import LLMAgent, LLMConfig
+            from workbench.agents.llm import LLMAgent
 
-            return LLMAgent(LLMConfig.load(self.opts.llm or None))
+            return LLMAgent(llm_config(self.ws, self.opts.llm))
         raise WorkspaceError(f"--agent {self.opts.agent}: unknown; use tuner or llm")
 
     def _smoke(self, branch: str) -> Callable[[], SmokeResult]:
@@ -317,10 +337,14 @@ class Loop:
         ctx = AgentContext(branch, self.ws.worktree_path(branch), d, gaps["breakdown"]["gaps"], visible,
                            self._smoke(branch), log, q, stop, git_common_dir=Path(self.ws.repo.git_dir))
         self.ws.begin_evaluation(b, "running")
-        try:
-            return agent.run(ctx)
-        except Exception as e:  # noqa: BLE001 - an agent's failure is an attempt's result, not the loop's
-            return AgentResult(False, f"agent failed: {type(e).__name__}: {e}".splitlines()[0][:300])
+        with tracking(self.ws.state, branch, keep=True):  # the evaluation goes on where the agent stops
+            step(f"{agent.name} agent", detail=d.family)
+            try:
+                return agent.run(ctx)
+            except Exception as e:  # noqa: BLE001 - an agent's failure is an attempt's result, not the loop's
+                return AgentResult(False, f"agent failed: {type(e).__name__}: {e}".splitlines()[0][:300])
+            finally:
+                step("waiting to evaluate")
 
     # -- a round ---------------------------------------------------------------------------------------
 
@@ -342,7 +366,7 @@ class Loop:
 
         if "gaps" not in summary:
             self.say(f"round {index}: profiling base {base[:10]}")
-            summary["gaps"] = self.gaps(base)
+            summary["gaps"] = self.gaps(base, f"round {index}")
             self.ws.memory.update_round(rnd.id, summary=summary)
         gaps = summary["gaps"]
         bd = gaps["breakdown"]
@@ -394,6 +418,8 @@ class Loop:
         integ = summary["integration"]
         if integ["commit"] != base:
             self.ws.repo.git.branch("-f", BASE_BRANCH, integ["commit"])
+            for name in integ.get("merged", []):  # now part of base: no longer a candidate of its own
+                self.ws.memory.update_branch(self.ws.branch(name).id, status="merged")
             self.state["base_speedup_over_ar"] = base_ar * integ["speedup"]
             self.state["exhausted"] = []
         else:
@@ -417,9 +443,21 @@ class Loop:
         agent = self.make_agent()  # first: a missing LLM endpoint is reported before anything runs
         self._ensure_refs()
         base = self.base_commit()
+        # The branch exists from the start, so its row (and progress) shows while the base is profiled.
+        b = self.ws.create_branch(branch, base=base, agent=agent.name, direction=family)
+        self.say(f"{branch}: {agent.name} agent launched on {family}", "tui.launch",
+                 {"branch": branch, "agent": agent.name, "direction": family})
         if gaps is None:
-            self.say(f"{branch}: profiling base {base[:10]} for the gap breakdown")
-            gaps = self.gaps(base)
+            self.ws.begin_evaluation(b, "running")
+            try:
+                with tracking(self.ws.state, branch, keep=True):
+                    step("profiling base", detail=base[:10])
+                    gaps = self.gaps(base, f"launch of {branch}")
+            except BaseException as e:
+                self.ws.memory.add_evaluation(b.id, "agent", "crash", f"profiling the base failed: {e}"[:300])
+                self.ws.end_evaluation(b, "crashed")
+                (self.ws.state / "progress" / f"{branch}.json").unlink(missing_ok=True)
+                raise
         bd = gaps["breakdown"]
         agents, self.opts.agents = self.opts.agents, len(bd.get("families", {})) or 7
         try:
@@ -429,9 +467,6 @@ class Loop:
         if d is None:
             ms = float(bd.get("families", {}).get(family, 0.0))
             d = Direction(family, ms, f"{family}: {ms:.3f} ms/token (chosen by the engineer)")
-        self.ws.create_branch(branch, base=base, agent=agent.name, direction=family)
-        self.say(f"{branch}: {agent.name} agent launched on {family}", "tui.launch",
-                 {"branch": branch, "agent": agent.name, "direction": family})
         res = self._run_agent(agent, branch, d, gaps, self.visible_prompts())
         self.say(f"{branch}: agent: {res.message}", "loop.agent", {"branch": branch, "committed": res.committed})
         ceiling = (self.state.get("ceiling") or self.ceiling()) if res.committed else 0.0
@@ -442,6 +477,11 @@ class Loop:
 
     def _attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
                  ceiling: float) -> dict:
+        with tracking(self.ws.state, name):
+            return self._evaluate_attempt(name, d, agent, res, base, base_ar, ceiling)
+
+    def _evaluate_attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
+                          ceiling: float) -> dict:
         b = self.ws.branch(name)
         if not res.committed or self.ws.head(name) == base:
             self.ws.memory.add_evaluation(b.id, "agent", "discard", res.message or "no change committed")
@@ -482,7 +522,9 @@ class Loop:
                 chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"],
                           "merged": [best["branch"]], "skipped": skipped}
             else:
-                att = evaluate(self.ws, name, base, base_ar, ceiling, min_gain=self.opts.min_gain, progress=self.say)
+                with tracking(self.ws.state, name):
+                    att = evaluate(self.ws, name, base, base_ar, ceiling, min_gain=self.opts.min_gain,
+                                   progress=self.say)
                 self.say(f"  {name} ({' + '.join(merged)}): {att.status}: {att.reason}")
                 if att.status == "keep" and (att.speedup or 0) >= best["speedup"]:
                     chosen = {"commit": self.ws.head(name), "speedup": att.speedup, "merged": merged,
@@ -574,6 +616,19 @@ class Loop:
             "minutes": round(self.minutes(), 2),
             "best_round": best_round(rounds, final, self.ws.stock_commit),
         }
+
+
+def llm_config(ws: Workspace, override: dict | None = None):
+    """The LLM agent's endpoint: `override`, else the workspace's [llm] table, the environment filling
+    gaps; an error names the file to edit."""
+    from workbench.agents.llm import LLMConfig, LLMConfigError
+
+    try:
+        return LLMConfig.load(override or ws.config.llm or None)
+    except LLMConfigError as e:
+        where = f"the [llm] table of {ws.path / 'specpilot.toml'}"
+        raise LLMConfigError(str(e).replace("the [llm] config section", where).replace("in [llm]", f"in {where}")) \
+            from None
 
 
 def best_round(rounds: list[dict], final: str, stock: str) -> int | None:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from workbench.harness import SystemProcess
+from workbench.progress import step
 
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 _local_lock = threading.Lock()
@@ -115,7 +116,7 @@ def _ci(ratios: list[float]) -> tuple[float, float, float]:
 def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: int, *, min_passes: int = 3,
                  max_passes: int = 8, rel_ci: float = 0.02, budget_s: float = 300.0,
                  config_a: dict | None = None, config_b: dict | None = None,
-                 cpus: set[int] | None = None) -> PairResult:
+                 cpus: set[int] | None = None, label: str = "bench") -> PairResult:
     """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends.
 
     Both sides run on `cpus` (default: the CPUs this process may use); a side found outside them
@@ -134,6 +135,7 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
         for p in prompts[:1]:  # warm both (lazy initialisation, caches) outside the measurement
             a.generate(p.ids, min(n, 8), config=config_a)
             b.generate(p.ids, min(n, 8), config=config_b)
+        step(label, 0, max_passes, "warming up")
         for i in range(max_passes):
             ta = tb = 0.0
             # A new order every pass, from the OS's randomness: neither side can predict which prompt comes
@@ -164,6 +166,7 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
             tb_all += tb
             ratios.append(ta / tb if tb > 0 else math.inf)
             m, lo, hi = _ci(ratios)
+            step(label, i + 1, max_passes, f"{m:.3f}x [{lo:.3f}, {hi:.3f}]")
             if i + 1 >= min_passes and (hi - lo) / 2 <= rel_ci * m:
                 break
             if time.perf_counter() - t0 > budget_s and i + 1 >= 2:

@@ -67,7 +67,7 @@ def _table(s: dict) -> str:
 
 
 def run_auto(args: argparse.Namespace) -> int:
-    from workbench.loop import Loop, LoopOptions
+    from workbench.loop import Loop, LoopOptions, llm_config
     from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
 
     if args.budget_minutes <= 0:
@@ -87,10 +87,10 @@ def run_auto(args: argparse.Namespace) -> int:
     opts = LoopOptions(rounds=args.rounds, agents=args.agents, agent=args.agent, budget_minutes=args.budget_minutes,
                        use_global_memory=not args.no_global_memory, auto_accept=True)
     if opts.agent == "llm":  # fail now, in one line, rather than inside every agent
-        from workbench.agents.llm import LLMConfig, LLMConfigError
+        from workbench.agents.llm import LLMConfigError
 
         try:
-            LLMConfig.load(None)
+            llm_config(ws)
         except LLMConfigError as e:
             ws.close()
             return fail(str(e))

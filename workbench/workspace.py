@@ -64,6 +64,7 @@ class WorkspaceConfig:
     max_mismatches_per_prompt: int = 16
     limits: dict = field(default_factory=dict)
     bench: dict = field(default_factory=dict)  # noise_pairs, noise_margin: see cascade.noise_floor
+    llm: dict = field(default_factory=dict)  # the [llm] table: the LLM agent's endpoint (the environment fills gaps)
 
     @classmethod
     def load(cls, path: Path) -> WorkspaceConfig:
@@ -84,7 +85,7 @@ class WorkspaceConfig:
                        config_file=s.get("config", "system.toml"), protected=list(s.get("protected", [])),
                        forcing_max_new_tokens=int(f.get("max_new_tokens", 64)),
                        max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim),
-                       bench=dict(bench))
+                       bench=dict(bench), llm=dict(data.get("llm", {})))
         except KeyError as e:
             raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
 
@@ -107,6 +108,8 @@ class WorkspaceConfig:
         lines += [f"{k} = {json.dumps(v)}" for k, v in self.limits.items()]
         if self.bench:
             lines += ["", "[bench]"] + [f"{k} = {json.dumps(v)}" for k, v in self.bench.items()]
+        if self.llm:
+            lines += ["", "[llm]"] + [f"{k} = {json.dumps(v)}" for k, v in self.llm.items()]
         return "\n".join(lines) + "\n"
 
     def model_dirs(self) -> list[Path]:
@@ -226,8 +229,17 @@ class Workspace:
         if wt.exists():
             shutil.rmtree(wt)  # a leftover of a crash: git no longer knows it (recover prunes)
         self.repo.git.worktree("add", "-b", name, str(wt), base_sha)
+        self.repo.git.config(f"branch.{name}.specpilotbase", base_sha)
         return self.memory.add_branch(round_id if round_id is not None else self.manual_round_id(), name,
                                       agent=agent, direction=direction, head_commit=base_sha, worktree_path=wt)
+
+    def branch_base(self, name: str) -> str:
+        """The commit a branch was created (or last started over) from; stock for branches older than
+        this record."""
+        try:
+            return self.repo.git.config("--get", f"branch.{name}.specpilotbase").strip()
+        except git.GitCommandError:
+            return self.stock_commit
 
     def detached_worktree(self, name: str, commit: str) -> Path:
         """An internal worktree (stock, AR reference, base, measurements) checked out at `commit`."""
@@ -252,6 +264,7 @@ class Workspace:
         self.repo.git.worktree("prune")
         base_sha = self.rev(base)
         self.repo.git.worktree("add", "-B", name, str(wt), base_sha)
+        self.repo.git.config(f"branch.{name}.specpilotbase", base_sha)
         self._lock_path(name).unlink(missing_ok=True)
         self.memory.record_event("branch.reset", f"branch {name} started over from {base_sha[:10]}",
                                  {"branch_id": b.id})
@@ -333,6 +346,10 @@ class Workspace:
             return int(self._lock_path(name).read_text())
         except (OSError, ValueError):
             return None
+
+    def evaluation_alive(self, name: str) -> bool:
+        """Whether the process that marked `name` running/evaluating still runs."""
+        return _alive(self._lock_pid(name))
 
     def begin_evaluation(self, b: Branch, status: str = "evaluating") -> None:
         """Mark a branch as worked on by this process (`evaluating`, or `running` for an agent)."""

@@ -30,6 +30,7 @@ import git
 
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.agents.edits import EditError, apply_blocks, parse_blocks
+from workbench.progress import step
 from workbench.safegit import SafeGitError
 
 ENV_PREFIX = "SPECPILOT_LLM_"
@@ -497,6 +498,7 @@ class _Session:
             if reason:
                 return self.end(reason)
             self.turns += 1
+            step("llm turn", self.turns, self.cfg.max_turns, self.cfg.model)
             try:
                 reply = self.request()
             except _RequestFailed as e:

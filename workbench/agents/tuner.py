@@ -24,6 +24,7 @@ from decoder.mechanisms import REGISTRY
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import measurement_lock
+from workbench.progress import step
 from workbench.workspace import Workspace
 
 MAX_GRID = 12  # candidates per mechanism, sampled deterministically from larger grids
@@ -156,7 +157,10 @@ class TunerAgent:
                 scores: dict[str, float] = {}
                 with measurement_lock():
                     sp.generate(use[0].ids, 4, config=base.as_dict())  # warm
-                    for c in [base_c, *alive]:
+                    group = [base_c, *alive]
+                    for i, c in enumerate(group):
+                        step(f"tuning r{rung + 1}/{len(self.rungs)}", i, len(group),
+                             f"{len(use)} prompts x {n} tokens")
                         if ctx.stop.is_set():
                             return AgentResult(False, "stopped by the engineer before a winner was found")
                         tps, bad = self._score(sp, c.cfg, use, n, ref, threshold)
@@ -176,6 +180,7 @@ class TunerAgent:
             # The finalist against the current config, interleaved A B B A on every visible prompt:
             # single sequential runs on a shared machine are too noisy to decide on.
             if transferred is None and alive and not ctx.stop.is_set():
+                step("tuning final", detail=str(alive[0].changes))
                 with measurement_lock():
                     ratio = self._paired(sp, base, alive[0].cfg, prompts, min(self.rungs[-1][1], limit))
                 history.append({"final": alive[0].changes, "paired_ratio": ratio})

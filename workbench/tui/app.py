@@ -13,6 +13,7 @@ store is polled about once a second, so the app shows the same whether the loop 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from textual.widgets import (
 )
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from workbench.harness import cancel_branch as kill_branch_systems
 from workbench.tui import data
 from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen, TextViewScreen
 from workbench.tui.widgets import BranchesPane, ForcingPane, LogPane, MemoryPane, OverviewPane
@@ -98,9 +100,9 @@ class ShowText(Message):
 
 
 class LaunchChoices(Message):
-    def __init__(self, directions: list[tuple[str, float | None]]) -> None:
+    def __init__(self, choices: list, llm_unavailable: str | None) -> None:
         super().__init__()
-        self.directions = directions
+        self.choices, self.llm_unavailable = choices, llm_unavailable
 
 
 class LaunchFinished(Message):
@@ -131,8 +133,12 @@ class SpecPilotCommands(Provider):
         sel = app.selected_branch()
         if sel:
             out += [(f"Merge {sel} into base", partial(app.merge_branch, sel), "git merge, asks first"),
-                    (f"Diff of {sel} against stock", partial(app.diff_branch, sel), "git diff stock...branch"),
-                    (f"Forcing report of {sel}", partial(app.open_forcing, sel), "stock vs candidate tokens")]
+                    (f"Diff of {sel} against its base", partial(app.diff_branch, sel), "what the branch changed"),
+                    (f"Forcing report of {sel}", partial(app.open_forcing, sel), "stock vs candidate tokens"),
+                    (f"Run forcing on {sel}", partial(app.run_forcing, sel), "every position against stock"),
+                    (f"Re-evaluate {sel}", partial(app.reevaluate, sel), "the whole cascade; resumes one"),
+                    (f"Cancel the work on {sel}", partial(app.cancel_branch, sel), "kills its systems at once")]
+        out.append(("Run one loop round", app.action_round, "as specpilot-tui --auto would, one more round"))
         mid = app.selected_mechanism()
         if mid is not None:
             m = app.mechanisms.get(mid)
@@ -189,6 +195,7 @@ class SpecPilotApp(App[int]):
         self.mechanisms: dict[int, Any] = {}
         self.forcing_branch: str | None = None
         self.polls = 0  # completed polls (tests wait on this)
+        self.abandoned: list[str] = []  # branches whose work was still running when the app quit
         self._polling = False
         self._forcing_seq = 0
 
@@ -271,7 +278,7 @@ class SpecPilotApp(App[int]):
 
     @work(thread=True, group="action", exit_on_error=False, name="diff")
     def _diff(self, branch: str) -> None:
-        self.post_message(ShowText(f"git diff stock...{branch}", data.branch_diff(self.ws, branch), diff=True))
+        self.post_message(ShowText(*data.branch_diff(self.ws, branch), diff=True))
 
     @work(thread=True, group="action", exit_on_error=False, name="verdict")
     def _verdict(self, mechanism_id: int, status: str, note: str) -> None:
@@ -286,7 +293,36 @@ class SpecPilotApp(App[int]):
 
     @work(thread=True, group="action", exit_on_error=False, name="launch choices")
     def _launch_choices(self) -> None:
-        self.post_message(LaunchChoices(data.directions_for_launch(self.ws)))
+        self.post_message(LaunchChoices(*data.directions_for_launch(self.ws)))
+
+    @work(thread=True, group="background", exit_on_error=False, name="background work")
+    def _background(self, what: str, branch: str | None, fn: Callable[[], str]) -> None:
+        """`fn` (forcing, a re-evaluation, a loop round) in a daemon thread, followed so that quitting
+        never waits for it; its branch counts as live (quit marks it interrupted, c cancels it)."""
+        result: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                result["text"] = fn()
+            except BaseException as e:  # noqa: BLE001 - reported by the worker below
+                result["error"] = e
+
+        if branch:
+            self.call_from_thread(self.live.add, branch)
+        thread = threading.Thread(target=body, name=f"{what}-{branch}", daemon=True)
+        thread.start()
+        worker = get_current_worker()
+        try:
+            while thread.is_alive():
+                thread.join(0.2)
+                if worker.is_cancelled:
+                    return
+        finally:
+            if branch:
+                self.call_from_thread(self.live.discard, branch)
+        if "error" in result:
+            raise result["error"]
+        self.post_message(Done(result.get("text", f"{what} done"), "memory"))
 
     @work(thread=True, group="launch", exit_on_error=False, name="launch")
     def _launch(self, kind: str, family: str) -> None:
@@ -412,7 +448,7 @@ class SpecPilotApp(App[int]):
                 self.notify(f"launching {who} agent on {family}", title="launch")
                 self._launch(kind, family)
 
-        self.push_screen(LaunchScreen(msg.directions), chosen)
+        self.push_screen(LaunchScreen(msg.choices, msg.llm_unavailable), chosen)
 
     def on_launch_finished(self, msg: LaunchFinished) -> None:
         self.live.discard(msg.branch)
@@ -538,6 +574,96 @@ class SpecPilotApp(App[int]):
     def diff_branch(self, branch: str) -> None:
         self._diff(branch)
 
+    def action_run_forcing(self) -> None:
+        b = self._need_branch("forcing")
+        if b:
+            self.run_forcing(b)
+
+    def run_forcing(self, branch: str) -> None:
+        if branch in self.live:
+            self.notify(f"forcing: {branch} is busy; wait or cancel it (c)", severity="warning")
+            return
+        self.notify(f"forcing {branch} against stock", title="forcing")
+        self._background("forcing", branch, partial(data.run_forcing, self.ws, branch))
+
+    def action_reevaluate(self) -> None:
+        b = self._need_branch("re-evaluate")
+        if b:
+            self.reevaluate(b)
+
+    def reevaluate(self, branch: str) -> None:
+        if branch in self.live:
+            self.notify(f"re-evaluate: {branch} is busy; wait or cancel it (c)", severity="warning")
+            return
+
+        def run() -> str:
+            a = data.reevaluate(self.ws, branch)
+            return f"{branch}: {a.get('status')}: {a.get('reason')}"
+
+        self.notify(f"re-evaluating {branch} (guard, smoke, forcing, paired benchmark)", title="evaluate")
+        self._background("evaluation", branch, run)
+
+    def action_cancel(self) -> None:
+        b = self._need_branch("cancel")
+        if b:
+            self.cancel_branch(b)
+
+    def cancel_branch(self, branch: str) -> None:
+        if branch not in self.live:
+            self.notify(f"cancel: nothing of this app runs on {branch}", severity="warning")
+            return
+        if branch in self.launches:
+            self.launches[branch].stop()
+        n = kill_branch_systems(branch)
+        self.notify(f"cancelled {branch}: {n} system(s) killed" + ("; the agent stops at its next turn"
+                                                                    if branch in self.launches else ""),
+                    title="cancel", severity="warning")
+
+    def action_round(self) -> None:
+        if not self._need_ws():
+            return
+        if "loop" in self.live:
+            self.notify("a loop round is already running", severity="warning")
+            return
+
+        def run() -> str:
+            s = data.run_loop_round(self.ws)
+            r = s["rounds"][-1] if s["rounds"] else None
+            return (f"round {r['index']} done: final {s['final_speedup']:.2f}x over AR" if r and s["final_speedup"]
+                    else f"loop: {s['status']}")
+
+        self.notify("one loop round: profile, agents on the largest gaps, cascade, integration", title="round")
+        self._background("round", "loop", run)
+
+    def action_delete(self) -> None:
+        b = self._need_branch("delete")
+        if not b:
+            return
+        if b in self.live:
+            self.notify(f"delete: {b} is busy; cancel it first (c)", severity="warning")
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self._background("delete", None, partial(self._delete_branch, b))
+
+        self.push_screen(ConfirmScreen(f"Delete branch {b} and its worktree? Its evaluations stay in the store.",
+                                       yes="Delete"), answer)
+
+    def _delete_branch(self, branch: str) -> str:
+        self.ws.remove_branch(branch)
+        return f"deleted {branch}"
+
+    def action_recover(self) -> None:
+        if not self._need_ws():
+            return
+
+        def run() -> str:
+            done = self.ws.recover()
+            return "recover: " + ("; ".join(done) if done else "nothing to do: git and the store agree")
+
+        self._background("recover", None, run)
+
     def action_forcing(self) -> None:
         b = self._need_branch("forcing")
         if b:
@@ -603,6 +729,7 @@ class SpecPilotApp(App[int]):
         default = str(Path.cwd() / f"{self.ws.config.name}-patches")
 
         def to(folder: str | None) -> None:
+            self.memory.query_one("#mechanisms", DataTable).focus()  # not the search box behind the dialog
             if folder:
                 self._export(folder)
 
@@ -610,8 +737,19 @@ class SpecPilotApp(App[int]):
                                          value=default, submit="Export", required="give a folder"), to)
 
     async def action_quit(self) -> None:
-        for b in list(self.live):
-            self.launches[b].stop()
+        """Quit at once, also with agents running: they are told to stop, their branches marked
+        interrupted (E resumes one), and the process ends without waiting for them (`main` leaves with
+        os._exit; their systems die with it)."""
+        live = sorted(self.live)
+        if live:
+            self.notify(f"stopping {len(live)} agent(s): {', '.join(live)}", title="quit")
+            for b in live:
+                if b in self.launches:
+                    self.launches[b].stop()
+                kill_branch_systems(b)
+            if self.ws is not None:
+                data.mark_interrupted(self.ws, live)
+            self.abandoned = live
         self.exit(0)
 
 
@@ -637,7 +775,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = make_app(args.workspace)
     app.run()
-    return app.return_code or 0
+    code = app.return_code or 0
+    if app.abandoned:  # work still running in threads: do not wait for it (its systems die with us)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import git
 
 from store import Event, ForcingReport, Mechanism
 from store.migrations import GAP_FAMILIES
+from workbench.progress import describe, read_progress, tracking
 from workbench.safegit import worktree_git
-from workbench.workspace import MANUAL_ROUND, STOCK_TAG, Workspace, WorkspaceError
+from workbench.workspace import LIVE_STATUSES, MANUAL_ROUND, Workspace, WorkspaceError
 
 BASE_BRANCH = "base"  # the loop's integration branch (workbench.loop.BASE_BRANCH)
 LOG_BACKLOG = 500  # events shown when the app opens
@@ -39,6 +40,8 @@ class BranchRow:
     match_rate: float | None
     forcing_report_id: int | None
     reason: str = ""  # the latest evaluation, one line
+    progress: str = ""  # what runs on it now: phase i/n, elapsed, ETA (from workbench.progress)
+    stale: bool = False  # marked running/evaluating, but no process works on it
 
 
 @dataclass
@@ -52,11 +55,14 @@ class RoundProgress:
 @dataclass
 class Snapshot:
     deployment: dict[str, str]
-    families: dict[str, float] = field(default_factory=dict)  # ms per generated token, latest profiled round
+    families: dict[str, float] = field(default_factory=dict)  # ms per generated token, parts of measured_ms
+    could_save: dict[str, float] = field(default_factory=dict)  # beyond the measured time (acceptance)
     gaps_round: int | None = None
+    gaps_label: str = ""  # what profiled them: "round 2", "launch of tui-tuner-drafting-1"
     measured_ms: float | None = None
     speedups: list[tuple[int, float]] = field(default_factory=list)  # (round, best speedup over AR)
     stock_speedup: float | None = None
+    final_speedup: float | None = None  # the loop's last measured system over AR (not a product of ratios)
     current: RoundProgress | None = None
     branches: list[BranchRow] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)  # new since the id asked for
@@ -78,25 +84,39 @@ def deployment_of(ws: Workspace) -> dict[str, str]:
             "regime": "batch " + ", ".join(str(b) for b in c.batch_sizes)}
 
 
-def latest_gaps(ws: Workspace) -> tuple[int, dict] | None:
-    """The latest round's gaps (as the loop saved them in the round's summary), with the round number."""
+def latest_gaps(ws: Workspace) -> tuple[str, dict] | None:
+    """The gaps profiled last, by a round or a TUI launch (`Loop.gaps` saves each), with what profiled
+    them; older workspaces: the latest round's summary."""
+    newest: tuple[float, str, dict] | None = None
+    for path in (ws.state / "gaps").glob("*.json"):
+        try:
+            saved = json.loads(path.read_text())
+            when = float(saved["measured_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if saved.get("breakdown") and (newest is None or when > newest[0]):
+            newest = (when, str(saved.get("label") or f"base {str(saved.get('commit'))[:10]}"), saved)
+    if newest is not None:
+        return newest[1], newest[2]
     rounds = [r for r in ws.memory.list_rounds(ws.deployment_id()) if r.status != MANUAL_ROUND]
     for r in reversed(rounds):
         gaps = r.summary.get("gaps")
         if gaps and gaps.get("breakdown"):
-            return int(r.summary.get("index", r.number)), gaps
+            return f"round {r.summary.get('index', r.number)}", gaps
     return None
 
 
-def _stock_speedup(ws: Workspace) -> float | None:
+def _loop_speedup(ws: Workspace, which: str) -> float | None:
+    """The loop's measured speedup over AR of `stock` or of the `final` system, if it has one."""
     try:
         state = json.loads((ws.state / "loop.json").read_text())
-        return float(state["stock"]["speedup"])
+        return float(state[which]["speedup"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def branch_row(ws: Workspace, b: Any) -> BranchRow:
+def branch_row(ws: Workspace, b: Any, progress: dict | None = None) -> BranchRow:
+    """One row of the Branches table; `progress` is the branch's live record from `read_progress`."""
     mem = ws.memory
     evals = mem.list_evaluations(b.id)
     bench = [e for e in evals if e.stage == "bench" and isinstance(e.metrics.get("speedup"), int | float)]
@@ -119,7 +139,13 @@ def branch_row(ws: Workspace, b: Any) -> BranchRow:
         rate, report_id = reports[-1].match_rate, reports[-1].id
         forcing = "clean" if not reports[-1].mismatches else f"{len(reports[-1].mismatches)} mism."
     reason = f"{evals[-1].stage}: {evals[-1].status}: {evals[-1].reason}" if evals else "not evaluated yet"
-    return BranchRow(b.name, b.agent, b.direction or "-", b.status, speedup, forcing, rate, report_id, reason)
+    row = BranchRow(b.name, b.agent, b.direction or "-", b.status, speedup, forcing, rate, report_id, reason)
+    if progress is not None and progress.get("alive"):
+        row.progress = describe(progress)
+    elif b.status in LIVE_STATUSES and not ws.evaluation_alive(b.name):
+        row.stale = True
+        row.progress = "no process works on it: E resumes it"
+    return row
 
 
 def read_snapshot(ws: Workspace, after_event_id: int | None) -> Snapshot:
@@ -129,9 +155,9 @@ def read_snapshot(ws: Workspace, after_event_id: int | None) -> Snapshot:
     rounds = [r for r in mem.list_rounds(ws.deployment_id()) if r.status != MANUAL_ROUND]
     g = latest_gaps(ws)
     if g is not None:
-        snap.gaps_round = g[0]
+        snap.gaps_label = g[0]
         bd = g[1]["breakdown"]
-        snap.families = {k: float(v) for k, v in bd.get("families", {}).items()}
+        snap.families, snap.could_save = split_families(bd)
         snap.measured_ms = bd.get("measured_ms_per_token")
     for r in rounds:
         s = r.summary
@@ -144,8 +170,10 @@ def read_snapshot(ws: Workspace, after_event_id: int | None) -> Snapshot:
             phase = ("profiling" if "gaps" not in s else "choosing directions" if "directions" not in s
                      else "integrating" if total and done >= total else "agents")
             snap.current = RoundProgress(n, phase, done, total)
-    snap.stock_speedup = _stock_speedup(ws)
-    snap.branches = [branch_row(ws, b) for b in ws.list_branches()]
+    snap.stock_speedup = _loop_speedup(ws, "stock")
+    snap.final_speedup = _loop_speedup(ws, "final")
+    live = read_progress(ws.state)
+    snap.branches = [branch_row(ws, b, live.get(b.name)) for b in ws.list_branches() if b.status != "removed"]
     if after_event_id is None:
         top = mem.db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
         after_event_id = max(0, top - LOG_BACKLOG)
@@ -232,10 +260,28 @@ def export_accepted(ws: Workspace, out: Path) -> list[Path]:
     return export(ws, ws.memory.list_mechanisms(status="accepted"), out)
 
 
-def branch_diff(ws: Workspace, branch: str) -> str:
+def split_families(bd: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """The breakdown's families as (parts of the measured time, what could be saved beyond it): the
+    acceptance gap is not in the measured total, so the bars of the first add up to it."""
+    parts: dict[str, float] = {}
+    extra: dict[str, float] = {}
+    gaps = bd.get("gaps")
+    if not gaps:
+        return {k: float(v) for k, v in bd.get("families", {}).items()}, {}
+    for g in gaps:
+        into = extra if g.get("could_save") else parts
+        into[g["family"]] = into.get(g["family"], 0.0) + float(g["ms_per_token"])
+    return parts, extra
+
+
+def branch_diff(ws: Workspace, branch: str) -> tuple[str, str]:
+    """The branch's change against the commit it was created from (not stock: a later round's branch
+    starts from the base that earlier rounds built), as (title, diff)."""
     ws.branch(branch)  # a clear error for an unknown branch
-    text = git.Repo(ws.path).git.diff("--no-ext-diff", f"{STOCK_TAG}...{branch}")
-    return text or f"(branch {branch} makes no change against stock)"
+    base = ws.branch_base(branch)
+    what = "stock" if base == ws.stock_commit else f"its base {base[:10]}"
+    text = git.Repo(ws.path).git.diff("--no-ext-diff", base, branch, "--")
+    return f"git diff {what}..{branch}", text or f"(branch {branch} makes no change against {what})"
 
 
 def merge_into_base(ws: Workspace, branch: str) -> str:
@@ -268,16 +314,90 @@ def merge_into_base(ws: Workspace, branch: str) -> str:
         msg = f"{branch} is already in {BASE_BRANCH}"
     else:
         msg = f"merged {branch} into {BASE_BRANCH}: {before[:10]} -> {after[:10]}" + (f" ({why})" if why else "")
+    ws.memory.update_branch(ws.branch(branch).id, status="merged")
     ws.memory.record_event("tui.merge", msg, {"branch": branch, "from": before, "to": after})
     return msg
 
 
-def directions_for_launch(ws: Workspace) -> list[tuple[str, float | None]]:
-    """Gap families to offer, the largest measured gap first; all families when nothing is profiled yet."""
+@dataclass
+class LaunchChoice:
+    family: str
+    ms: float | None  # measured gap, ms per generated token; None: not profiled yet
+    tuner_left: int  # candidate configs the tuner has for it on the current base (0: nothing left)
+
+
+def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None]:
+    """Gap families to offer (the largest measured gap first; all when nothing is profiled yet), with
+    what the tuner has left for each on the current base; and why the LLM agent cannot run (None: it can)."""
+    from decoder.config import DecodeConfig
+    from workbench.agents.llm import LLMConfigError
+    from workbench.agents.tuner import candidates
+    from workbench.loop import llm_config
+
     g = latest_gaps(ws)
     fams = g[1]["breakdown"].get("families", {}) if g else {}
     known = sorted(fams.items(), key=lambda kv: -kv[1])
-    return [(k, float(v)) for k, v in known] + [(f, None) for f in GAP_FAMILIES if f not in fams]
+    order = [(k, float(v)) for k, v in known] + [(f, None) for f in GAP_FAMILIES if f not in fams]
+    repo = git.Repo(ws.path)
+    base = BASE_BRANCH if BASE_BRANCH in repo.heads else ws.stock_commit
+    try:
+        cfg = DecodeConfig.from_toml(repo.git.show(f"{base}:{ws.config.config_file}"))
+    except (git.GitCommandError, ValueError):
+        cfg = None
+    out = [LaunchChoice(fam, ms, len(candidates(cfg, fam, [])) if cfg is not None else 0) for fam, ms in order]
+    try:
+        llm_config(ws)
+        why_not = None
+    except LLMConfigError as e:
+        why_not = str(e)
+    return out, why_not
+
+
+def run_forcing(ws: Workspace, branch: str) -> str:
+    """Token-force the branch against stock now (as the cascade's forcing stage), one line back."""
+    from workbench.forcing import force
+
+    with tracking(ws.state, branch):
+        rep = force(ws, branch, progress=False)
+    return f"{branch}: forcing {rep['status']}: {rep['reason']}"
+
+
+def reevaluate(ws: Workspace, branch: str) -> dict:
+    """Run the whole cascade on the branch's committed head against the commit it started from (an
+    interrupted branch resumed, or a branch edited by hand); the same code path as the loop's."""
+    from workbench.agents.base import AgentResult, Direction
+    from workbench.loop import Loop, LoopOptions
+
+    b = ws.branch(branch)
+    base = ws.branch_base(branch)
+    loop = Loop(ws, LoopOptions(rounds=1, agents=1, auto_accept=False))
+    if ws.head(branch) == base:
+        ws.memory.update_branch(b.id, status="discarded")
+        ws.memory.add_evaluation(b.id, "agent", "discard", "nothing committed beyond its base: launch an agent (l)")
+        return {"branch": branch, "status": "discard", "reason": "nothing committed beyond its base"}
+    ceiling = loop.state.get("ceiling") or loop.ceiling()
+    d = Direction(b.direction or "-", 0.0, "re-evaluated from the TUI")
+    return loop._attempt(branch, d, b.agent, AgentResult(True, "re-evaluated"), base,
+                         float(loop.state.get("base_speedup_over_ar", 1.0)), ceiling)
+
+
+def mark_interrupted(ws: Workspace, branches: list[str]) -> None:
+    """Branches whose agents this app stops on quit: `interrupted` (E resumes them), not left `running`."""
+    for name in branches:
+        b = ws.find_branch(name)
+        if b is not None and b.status in LIVE_STATUSES:
+            ws.memory.update_branch(b.id, status="interrupted")
+            ws.memory.record_event("tui.interrupted", f"{name}: interrupted by quitting the TUI; E re-evaluates it",
+                                   {"branch_id": b.id})
+
+
+def run_loop_round(ws: Workspace, progress: Callable[[str], None] | None = None) -> dict:
+    """One more round of the loop, exactly as `specpilot-tui --auto --rounds N+1` would run it (the
+    engineer still accepts mechanisms in the Memory tab)."""
+    from workbench.loop import Loop, LoopOptions
+
+    done = sum(1 for r in ws.memory.list_rounds(ws.deployment_id()) if r.status == "done" and "index" in r.summary)
+    return Loop(ws, LoopOptions(rounds=done + 1, auto_accept=False), progress=progress).run()
 
 
 def free_branch_name(ws: Workspace, kind: str, family: str) -> str:
@@ -314,8 +434,7 @@ class Launch:
     def run(self) -> dict:
         """Profile (unless a round already did), run the agent, evaluate its commit; returns the attempt."""
         loop, ws = self.loop, self.ws
-        found = latest_gaps(ws)
-        att = loop.run_agent(self.family, self.branch, gaps=None if found is None else found[1])
+        att = loop.run_agent(self.family, self.branch)  # the base's gaps: profiled once per commit, then reused
         base = att["base_commit"]
         if att["status"] == "keep":  # a candidate for the engineer to accept or reject in the Memory tab
             from workbench.export import record_mechanism

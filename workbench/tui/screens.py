@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -83,23 +84,36 @@ class TextInputScreen(ModalScreen[str | None]):
 
 
 class LaunchScreen(ModalScreen[tuple[str, str] | None]):
-    """Choose the agent (tuner or LLM) and the direction (a gap family, largest measured gap first)."""
+    """Choose the agent (tuner or LLM) and the direction (a gap family, largest measured gap first).
+
+    A family the tuner has nothing left for is marked so and refused for the tuner; the LLM option is
+    disabled, with the reason and the file to edit, when no endpoint is configured."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="launch.cancel")]
 
-    def __init__(self, directions: list[tuple[str, float | None]]) -> None:
+    def __init__(self, choices: list, llm_unavailable: str | None = None) -> None:
         super().__init__(classes="dialog-screen")
-        self.directions = directions
+        self.choices = choices  # workbench.tui.data.LaunchChoice
+        self.llm_unavailable = llm_unavailable
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label("Launch an agent on a direction", classes="question")
             with RadioSet(id="agent-kind"):
                 yield RadioButton("tuner (registry mechanisms, no LLM)", value=True, id="kind-tuner")
-                yield RadioButton("LLM (OpenAI-compatible endpoint)", id="kind-llm")
-            options = [Option(Text(f"{fam:<13} " + (f"{ms:7.3f} ms/token" if ms is not None else "not profiled")),
-                              id=fam) for fam, ms in self.directions]
+                yield RadioButton("LLM (OpenAI-compatible endpoint)", id="kind-llm",
+                                  disabled=self.llm_unavailable is not None)
+            if self.llm_unavailable:
+                yield Static(Text(f"LLM: {self.llm_unavailable}", style="dim"), id="llm-unavailable")
+            options = []
+            for c in self.choices:
+                line = Text(f"{c.family:<13} ")
+                line.append(f"{c.ms:7.3f} ms/token" if c.ms is not None else "  not profiled")
+                line.append(f"  tuner: {c.tuner_left} configs" if c.tuner_left else "  tuner: nothing left",
+                            style="dim")
+                options.append(Option(line, id=c.family))
             yield OptionList(*options, id="direction")
+            yield Static("", id="launch-problem")
             with Horizontal(classes="buttons"):
                 yield Button("Launch", variant="primary", id="ok")
                 yield Button("Cancel", id="cancel")
@@ -114,16 +128,67 @@ class LaunchScreen(ModalScreen[tuple[str, str] | None]):
         if ol.highlighted is None:
             return None
         kind = "llm" if self.query_one("#kind-llm", RadioButton).value else "tuner"
-        return kind, self.directions[ol.highlighted][0]
+        return kind, self.choices[ol.highlighted].family
+
+    def _choose(self) -> None:
+        res = self.result()
+        if res is not None and res[0] == "tuner":
+            c = next(c for c in self.choices if c.family == res[1])
+            if not c.tuner_left:
+                self.query_one("#launch-problem", Static).update(Text(
+                    f"the tuner has nothing left to try on {c.family} from the current base: pick another "
+                    f"direction" + ("" if self.llm_unavailable else " or the LLM agent"), style="bold red"))
+                return
+        self.dismiss(res)
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(self.result())
+        self._choose()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(self.result() if event.button.id == "ok" else None)
+        if event.button.id == "ok":
+            self._choose()
+        else:
+            self.dismiss(None)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+SIDE_BY_SIDE_MIN_WIDTH = 140  # terminal columns from which a diff is shown before | after
+
+
+def side_by_side(diff: str) -> Table:
+    """A unified diff as two columns: each hunk's removed lines beside the added ones, context on both."""
+    grid = Table.grid(expand=True, padding=(0, 1))
+    grid.add_column(ratio=1)
+    grid.add_column(ratio=1)
+    old: list[str] = []
+    new: list[str] = []
+
+    def flush() -> None:
+        for i in range(max(len(old), len(new))):
+            grid.add_row(Text(old[i], style="red") if i < len(old) else Text(""),
+                         Text(new[i], style="green") if i < len(new) else Text(""))
+        old.clear()
+        new.clear()
+
+    for line in diff.splitlines():
+        if line.startswith(("diff --git", "index ", "--- ", "+++ ")):
+            flush()
+            if line.startswith("+++ "):
+                grid.add_row(Text(line[4:], style="bold"), Text(""))
+        elif line.startswith("@@"):
+            flush()
+            grid.add_row(Text(line, style="cyan"), Text(line, style="cyan"))
+        elif line.startswith("-"):
+            old.append(line[1:])
+        elif line.startswith("+"):
+            new.append(line[1:])
+        else:
+            flush()
+            grid.add_row(Text(line[1:]), Text(line[1:]))
+    flush()
+    return grid
 
 
 class TextViewScreen(ModalScreen[None]):
@@ -136,6 +201,16 @@ class TextViewScreen(ModalScreen[None]):
         self.title_text, self.text, self.diff = title, text, diff
 
     def compose(self) -> ComposeResult:
+        wide = self.diff and self.app.size.width >= SIDE_BY_SIDE_MIN_WIDTH
+        body = side_by_side(self.text) if wide else self._unified()
+        with Vertical(classes="dialog wide"):
+            yield Label(Text(self.title_text + ("  (side by side: before | after)" if wide else "")),
+                        classes="question")
+            with VerticalScroll(id="view-body"):
+                yield Static(body, id="view-text")
+            yield Label("escape closes", classes="why")
+
+    def _unified(self) -> Text:
         body = Text()
         for line in self.text.splitlines():
             style = ""
@@ -149,11 +224,7 @@ class TextViewScreen(ModalScreen[None]):
                 elif line.startswith("@@"):
                     style = "cyan"
             body.append(line + "\n", style=style)
-        with Vertical(classes="dialog wide"):
-            yield Label(Text(self.title_text), classes="question")
-            with VerticalScroll(id="view-body"):
-                yield Static(body, id="view-text")
-            yield Label("escape closes", classes="why")
+        return body
 
     def on_mount(self) -> None:
         self.query_one("#view-body").focus()

@@ -46,10 +46,11 @@ class GapBars(Static):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.families: dict[str, float] = {}
+        self.could_save: dict[str, float] = {}
         self.caption = ""
 
-    def show(self, families: dict[str, float], caption: str) -> None:
-        self.families, self.caption = dict(families), caption
+    def show(self, families: dict[str, float], caption: str, could_save: dict[str, float] | None = None) -> None:
+        self.families, self.caption, self.could_save = dict(families), caption, dict(could_save or {})
         self.refresh(layout=True)
 
     def render(self) -> Text:
@@ -57,14 +58,19 @@ class GapBars(Static):
             return Text("no gaps measured yet: a round profiles the base first (Branches: l launches an agent)",
                         style="dim")
         out = Text(self.caption + "\n", style="dim")
-        top = max(self.families.values()) or 1.0
+        top = max([*self.families.values(), *self.could_save.values()]) or 1.0
         width = max(4, self.size.width - FAMILY_WIDTH - 12)
-        for fam, ms in sorted(self.families.items(), key=lambda kv: -kv[1]):
+        rows = [(fam, ms, False) for fam, ms in sorted(self.families.items(), key=lambda kv: -kv[1])]
+        rows += [(fam, ms, True) for fam, ms in sorted(self.could_save.items(), key=lambda kv: -kv[1]) if ms > 0]
+        for fam, ms, extra in rows:
             n = max(0, round(ms / top * width)) if ms > 0 else 0
-            out.append(f"{fam:<{FAMILY_WIDTH}}", style="bold")
-            out.append("█" * n, style="dark_orange" if n == width else "orange3")
+            out.append(f"{fam + ('+' if extra else ''):<{FAMILY_WIDTH}}", style="bold")
+            out.append(("░" if extra else "█") * n, style="grey50" if extra else
+                       "dark_orange" if n == width else "orange3")
             out.append(" " * (width - n))
             out.append(f" {ms:7.3f} ms\n")
+        if self.could_save:
+            out.append(f"{'':<{FAMILY_WIDTH}}░ could save beyond the measured time (not in its total)\n", style="dim")
         out.rstrip()
         return out
 
@@ -76,15 +82,21 @@ class SpeedupPlot(Vertical):
         yield Sparkline([], id="speedup-spark")
         yield Label("", id="speedup-figures")
 
-    def show(self, points: list[tuple[int, float]], stock: float | None) -> None:
+    def show(self, points: list[tuple[int, float]], stock: float | None, final: float | None = None) -> None:
+        """`points`: each round's estimate (the base's speedup times the round's paired gain); `final`:
+        the loop's own measurement of the final system against AR, which is what counts."""
         spark = self.query_one(Sparkline)
-        values = ([stock] if stock is not None else []) + [v for _, v in points]
+        values = ([stock] if stock is not None else []) + [v for _, v in points] + ([final] if final else [])
         spark.data = [1.0, *values]  # AR itself is the floor the plot rises from
         spark.display = bool(values)
-        parts = ([f"stock {stock:.2f}x"] if stock is not None else []) + [f"r{n} {v:.2f}x" for n, v in points]
+        parts = ([f"stock {stock:.2f}x"] if stock is not None else []) + [f"r{n} ~{v:.2f}x" for n, v in points]
         parts = ["AR 1.00x", *parts] if parts else parts
-        self.query_one("#speedup-figures", Label).update(
-            Text("  ".join(parts[-8:]) if parts else "no round finished yet", style="" if parts else "dim"))
+        text = Text("  ".join(parts[-8:]) if parts else "no round finished yet", style="" if parts else "dim")
+        if final:
+            text.append(f"  final {final:.2f}x measured", style="bold")
+            if points:
+                text.append("  (r~: estimates, a product of paired gains)", style="dim")
+        self.query_one("#speedup-figures", Label).update(text)
 
 
 class RoundProgressView(Horizontal):
@@ -124,27 +136,73 @@ class OverviewPane(VerticalScroll):
         t.add_row("target", Text(d["target"]), "drafter", Text(d["drafter"]))
         t.add_row("regime", Text(d["regime"]), "workspace", Text(display_path(workspace), overflow="ellipsis"))
         self.query_one("#deployment", Static).update(t)
-        caption = (f"round {snap.gaps_round}" + (f", measured {snap.measured_ms:.2f} ms/token" if snap.measured_ms
-                                                 else "")) if snap.gaps_round is not None else ""
-        self.query_one(GapBars).show(snap.families, caption)
-        self.query_one(SpeedupPlot).show(snap.speedups, snap.stock_speedup)
+        caption = ""
+        if snap.gaps_label:
+            caption = f"profiled by {snap.gaps_label}"
+            if snap.measured_ms:
+                caption += (f": measured {snap.measured_ms:.2f} ms/token, the solid bars add up to it "
+                            f"({sum(snap.families.values()):.2f})")
+        self.query_one(GapBars).show(snap.families, caption, snap.could_save)
+        self.query_one(SpeedupPlot).show(snap.speedups, snap.stock_speedup, snap.final_speedup)
         self.query_one(RoundProgressView).show(snap.current)
 
 
 # -- Branches --------------------------------------------------------------------------------------------
 
-BRANCH_COLUMNS = (("branch", "branch"), ("agent", "agent"), ("direction", "direction"), ("status", "status"),
-                  ("vs base", "speedup"), ("forcing", "forcing"))
+
+class FilterBox(Input):
+    """A filter line over a table or log: hidden until `/`, every keystroke applies, escape clears."""
+
+    BINDINGS = [Binding("escape", "close", "Clear filter", id="filter.close")]
+
+    def __init__(self, placeholder: str, **kw) -> None:
+        super().__init__(placeholder=placeholder, **kw)
+        self.display = False
+
+    class Changed(Input.Changed):
+        pass
+
+    def open(self) -> None:
+        self.display = True
+        self.focus()
+
+    def action_close(self) -> None:
+        self.value = ""
+        self.display = False
+        self.post_message(FilterBox.Changed(self, ""))
+        self._focus_content()
+
+    def _focus_content(self) -> None:
+        """Back to what the filter filters (the table or the log beside it)."""
+        for w in self.parent.query("DataTable, RichLog"):
+            w.focus()
+            return
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if not isinstance(event, FilterBox.Changed):
+            event.stop()
+            self.post_message(FilterBox.Changed(self, event.value))
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self._focus_content()
+
+# What decides come first: at 80 columns the agent and direction are what scrolls off.
+BRANCH_COLUMNS = (("branch", "branch"), ("status", "status"), ("vs base", "speedup"), ("forcing", "forcing"),
+                  ("now", "progress"), ("agent", "agent"), ("direction", "direction"))
 STATUS_STYLE = {"kept": "green", "forced": "green", "running": "bold cyan", "evaluating": "cyan",
                 "discarded": "yellow", "mismatch": "red", "crashed": "red", "rejected": "red", "error": "red",
-                "interrupted": "magenta", "lost": "magenta"}
+                "interrupted": "magenta", "lost": "magenta", "merged": "green"}
+PROGRESS_WIDTH = 44  # the "now" column: phase i/n · elapsed · ETA fits, a long detail is cut
 
 
 def branch_cells(r: BranchRow, live: bool) -> list[Text]:
-    status = r.status + (" *" if live else "")
+    status = f"{r.status} (no process)" if r.stale else r.status + (" *" if live else "")
     forcing = Text(r.forcing, style="green" if r.forcing == "clean" else "red" if "real" in r.forcing else "")
-    return [Text(r.name), Text(r.agent), Text(r.direction), Text(status, style=STATUS_STYLE.get(r.status, "")),
-            Text(f"{r.speedup:.3f}x" if r.speedup is not None else "-", justify="right"), forcing]
+    now = r.progress if len(r.progress) <= PROGRESS_WIDTH else r.progress[:PROGRESS_WIDTH - 1] + "…"
+    return [Text(r.name), Text(status, style="magenta" if r.stale else STATUS_STYLE.get(r.status, "")),
+            Text(f"{r.speedup:.3f}x" if r.speedup is not None else "-", justify="right"), forcing,
+            Text(now, style="magenta" if r.stale else "cyan"), Text(r.agent), Text(r.direction)]
 
 
 class BranchesPane(Vertical):
@@ -153,19 +211,40 @@ class BranchesPane(Vertical):
         Binding("s", "app.steer", "Steer", id="branches.steer", tooltip="send a message to the running LLM agent"),
         Binding("x", "app.stop", "Stop", id="branches.stop", tooltip="stop the running agent (asks first)"),
         Binding("m", "app.merge", "Merge", id="branches.merge", tooltip="merge the branch into base (asks first)"),
-        Binding("d", "app.diff", "Diff", id="branches.diff", tooltip="git diff stock...branch"),
+        Binding("d", "app.diff", "Diff", id="branches.diff", tooltip="what the branch changed against its base"),
         Binding("f", "app.forcing", "Forcing", id="branches.forcing", tooltip="the branch's latest forcing report"),
+        Binding("F", "app.run_forcing", "Force", id="branches.force", tooltip="run forcing on the branch now"),
+        Binding("E", "app.reevaluate", "Re-evaluate", id="branches.reevaluate",
+                tooltip="the whole cascade on the branch again (resumes an interrupted one)"),
+        Binding("c", "app.cancel", "Cancel", id="branches.cancel",
+                tooltip="cancel the branch's work: kills its systems"),
+        Binding("L", "app.round", "Loop round", id="branches.round", tooltip="one more loop round, as --auto runs it"),
+        Binding("D", "app.delete", "Delete", id="branches.delete", tooltip="delete the branch and its worktree (asks)"),
+        Binding("R", "app.recover", "Recover", id="branches.recover",
+                tooltip="reconcile git and the store after a crash (stale states, lost worktrees)"),
+        Binding("slash", "filter", "Filter", id="branches.filter", tooltip="show only rows containing a text"),
     ]
 
     def compose(self) -> ComposeResult:
+        yield FilterBox("filter branches (name, status, agent, direction); escape clears", id="branches-filter")
         table: DataTable = DataTable(id="branches-table", cursor_type="row", zebra_stripes=True)
         for label, key in BRANCH_COLUMNS:
             table.add_column(label, key=key)
         yield table
         yield Static("", id="branch-hint")
 
+    def action_filter(self) -> None:
+        self.query_one(FilterBox).open()
+
+    def on_filter_box_changed(self, event: FilterBox.Changed) -> None:
+        self.show(list(getattr(self, "all_rows", [])), getattr(self, "live", set()))
+
     def show(self, rows: list[BranchRow], live: set[str]) -> None:
         """Update the table in place: changed cells, new rows appended, gone rows removed."""
+        self.all_rows, self.live = rows, live
+        needle = self.query_one(FilterBox).value.strip().lower()
+        if needle:
+            rows = [r for r in rows if needle in " ".join((r.name, r.status, r.agent, r.direction)).lower()]
         table = self.query_one(DataTable)
         keys = [k for _, k in BRANCH_COLUMNS]
         seen = set()
@@ -175,7 +254,7 @@ class BranchesPane(Vertical):
             if r.name in table.rows:
                 for key, cell in zip(keys, cells, strict=True):
                     if table.get_cell(r.name, key) != cell:
-                        table.update_cell(r.name, key, cell)
+                        table.update_cell(r.name, key, cell, update_width=True)  # columns grow, never clip
             else:
                 table.add_row(*cells, key=r.name)
         for key in [k.value for k in table.rows if k.value not in seen]:
@@ -194,6 +273,11 @@ class BranchesPane(Vertical):
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self.show_hint()
 
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        """Enter on a branch: its forcing report."""
+        if event.row_key.value:
+            self.app.open_forcing(event.row_key.value)
+
     def selected(self) -> str | None:
         table = self.query_one(DataTable)
         if not table.row_count:
@@ -209,10 +293,18 @@ def short_id(prompt_id: str, width: int = 24) -> str:
     return prompt_id if len(prompt_id) <= width else "…" + prompt_id[-(width - 1):]
 
 
+def visible_token(text: str) -> str:
+    """A mismatched token as it shows in the side-by-side view: whitespace control characters visible."""
+    return text.replace("\n", "↵").replace("\t", "→").replace("\r", "␍") or "∅"
+
+
 class ForcingPane(Vertical):
     BINDINGS = [
         Binding("n", "next_mismatch", "Next mismatch", id="forcing.next", tooltip="jump to the next mismatch"),
         Binding("p", "prev_mismatch", "Prev mismatch", id="forcing.prev", tooltip="jump to the previous mismatch"),
+        Binding("N", "next_real", "Next real", id="forcing.next_real",
+                tooltip="jump to the next real mismatch (near ties skipped)"),
+        Binding("P", "prev_real", "Prev real", id="forcing.prev_real", tooltip="jump to the previous real mismatch"),
     ]
 
     def __init__(self, **kw) -> None:
@@ -304,9 +396,14 @@ class ForcingPane(Vertical):
                     continue
                 emph = " reverse" if m is cur else ""
                 tie = "yellow" if m.get("near_tie") else "red"
-                stock.append(tok, style=f"bold {tie} underline{emph}")
-                cand.append(m["candidate_text"], style=f"bold white on {'dark_orange' if m.get('near_tie') else 'red'}"
-                                                       f"{emph}")
+                # Both sides the same width, newlines shown, not taken: the columns stay line for line.
+                a, b = visible_token(tok), visible_token(m["candidate_text"])
+                w = max(len(a), len(b))
+                stock.append(a.ljust(w), style=f"bold {tie} underline{emph}")
+                cand.append(b.ljust(w), style=f"bold white on {'dark_orange' if m.get('near_tie') else 'red'}"
+                                               f"{emph}")
+            for t in (stock, cand):
+                t.no_wrap, t.overflow = True, "fold"  # folded at the same column on both sides
             grid.add_row(stock, cand)
         margin = f"{cur['margin']:.4f}" if cur.get("margin") is not None else "unknown"
         kind = "near tie (below the noise threshold)" if cur.get("near_tie") else "REAL change"
@@ -323,6 +420,22 @@ class ForcingPane(Vertical):
     def action_prev_mismatch(self) -> None:
         if self.report and self.report["mismatches"]:
             self.show_mismatch((self.current() - 1) % len(self.report["mismatches"]))
+
+    def _jump_real(self, direction: int) -> None:
+        mm = self.report["mismatches"] if self.report else []
+        real = [i for i, m in enumerate(mm) if not m.get("near_tie")]
+        if not real:
+            self.app.notify("no real mismatch in this report: every one is a near tie", severity="information")
+            return
+        cur = self.current()
+        later = [i for i in real if (i - cur) * direction > 0]
+        self.show_mismatch(later[0 if direction > 0 else -1] if later else real[0 if direction > 0 else -1])
+
+    def action_next_real(self) -> None:
+        self._jump_real(+1)
+
+    def action_prev_real(self) -> None:
+        self._jump_real(-1)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.data_table.id == "mismatches" and self.report and event.cursor_row >= 0:
@@ -413,11 +526,55 @@ KIND_STYLE = {"evaluation": "cyan", "loop": "bold", "mechanism": "green", "llm":
 
 
 class LogPane(Vertical):
+    """The store's events. Lines that arrive before the tab was ever shown wait: a RichLog that has no
+    width yet would wrap them at its minimum width, not the terminal's. `/` filters them."""
+
+    BINDINGS = [Binding("slash", "filter", "Filter", id="log.filter", tooltip="show only lines containing a text")]
+    KEEP = 5000
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.pending: list[tuple[list[Event], str]] = []
+        self.events: list[Event] = []
+        self.workspace = ""
+
     def compose(self) -> ComposeResult:
-        yield RichLog(id="event-log", wrap=True, markup=False, highlight=False, max_lines=5000)
+        yield FilterBox("filter the log (kind or text); escape clears", id="log-filter")
+        yield RichLog(id="event-log", wrap=True, markup=False, highlight=False, max_lines=self.KEEP)
+
+    def action_filter(self) -> None:
+        self.query_one(FilterBox).open()
+
+    def on_filter_box_changed(self, event: FilterBox.Changed) -> None:
+        log = self.query_one(RichLog)
+        log.clear()
+        self._write([e for e in self.events if self._matches(e)])
+
+    def _matches(self, e: Event) -> bool:
+        needle = self.query_one(FilterBox).value.strip().lower()
+        return not needle or needle in f"{e.kind} {e.message}".lower()
+
+    def on_show(self) -> None:
+        self.call_after_refresh(self._flush)
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for events, workspace in pending:
+            self.add(events, workspace)
 
     def add(self, events: list[Event], workspace: str) -> None:
         log = self.query_one(RichLog)
+        self.workspace = workspace
+        if log.size.width == 0:
+            if events:
+                self.pending.append((events, workspace))
+            return
+        self.events = (self.events + events)[-self.KEEP:]
+        self._write([e for e in events if self._matches(e)])
+
+    def _write(self, events: list[Event]) -> None:
+        log = self.query_one(RichLog)
+        workspace = self.workspace
         for e in events:
             line = Text(f"{format_ts(e.ts)} ", style="dim")
             line.append(f"{e.kind:<18} ", style=KIND_STYLE.get(e.kind.split(".")[0], ""))
