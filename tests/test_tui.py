@@ -409,6 +409,50 @@ def test_filter_then_delete_a_branch(ws):
     run(go())
 
 
+def test_force_cancel_reevaluate_recover_from_the_keyboard(ws):
+    """F runs forcing (its toast renders, the app runs on); c cancels a run at once (its systems are
+    killed, the evaluation records the cancel); E on a branch with nothing committed says so; R
+    reconciles git and the store."""
+    from workbench.harness import _LIVE
+
+    ws.create_branch("empty")
+    make_branch(ws, "stuck", "decoder/generate.py", '    if cfg.method == "sd" and cfg.drafter == "routed":\n',
+                '    time.sleep(600)\n    if cfg.method == "sd" and cfg.drafter == "routed":\n')
+
+    def toasts(app) -> list[str]:
+        return [n.message for n in app._notifications]
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2")
+            select_row(app, "#branches-table", "ngram")
+            await pilot.press("F")
+            await until(pilot, lambda: any(t.startswith("ngram: forcing keep") for t in toasts(app)), 120,
+                        "the forcing result")
+            await pilot.pause(0.3)  # the toast rendered
+            assert app.is_running
+            select_row(app, "#branches-table", "stuck")
+            await pilot.press("F")
+            await until(pilot, lambda: _LIVE.get("stuck"), 60, "its system to run")
+            await pilot.press("c")
+            await until(pilot, lambda: any(t.startswith("cancelled stuck: 1 system") for t in toasts(app)), 10,
+                        "the cancel")
+            await until(pilot, lambda: "stuck" not in app.live, 10, "the run to end at once")
+            last = ws.memory.list_evaluations(ws.branch("stuck").id)[-1]
+            assert last.status == "crash" and "cancelled by the engineer" in last.reason, last.reason
+            select_row(app, "#branches-table", "empty")
+            await pilot.press("E")
+            await until(pilot, lambda: any("empty: discard" in t for t in toasts(app)), 60, "the re-evaluation")
+            await pilot.press("R")
+            await until(pilot, lambda: any(t.startswith("recover:") for t in toasts(app)), 30, "recover")
+            await pilot.pause(0.3)
+            assert app.is_running
+
+    run(go())
+
+
 def test_enter_on_a_branch_opens_its_forcing_report(ws):
     async def go():
         app = app_for(ws)

@@ -28,9 +28,11 @@ pytestmark = [needs_demo, pytest.mark.slow,
 class Tmux:
     def __init__(self, name: str, command: str, cwd: Path, size: tuple[int, int]) -> None:
         self.name = name
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() + 0.5  # the app itself starts after the sleep below
+        # The app starts once the window has its size (a fresh tmux server may start it at 80x24 first).
         subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", str(size[0]), "-y", str(size[1]), "-c",
-                        str(cwd), command], check=True)
+                        str(cwd), f"sleep 0.5; {command}"], check=True)
+        self.resize(*size)
 
     def pane(self) -> str:
         r = subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True)

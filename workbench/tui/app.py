@@ -308,7 +308,7 @@ class SpecPilotApp(App[int]):
                 result["error"] = e
 
         if branch:
-            self.call_from_thread(self.live.add, branch)
+            self.call_from_thread(self._set_live, branch, True)
         thread = threading.Thread(target=body, name=f"{what}-{branch}", daemon=True)
         thread.start()
         worker = get_current_worker()
@@ -319,7 +319,7 @@ class SpecPilotApp(App[int]):
                     return
         finally:
             if branch:
-                self.call_from_thread(self.live.discard, branch)
+                self.call_from_thread(self._set_live, branch, False)
         if "error" in result:
             raise result["error"]
         self.post_message(Done(result.get("text", f"{what} done"), "memory"))
@@ -350,6 +350,9 @@ class SpecPilotApp(App[int]):
         self.post_message(LaunchFinished(branch, result.get("attempt")))
         if "error" in result:
             raise result["error"]
+
+    def _set_live(self, branch: str, live: bool) -> None:
+        (self.live.add if live else self.live.discard)(branch)
 
     def _register_launch(self, branch: str, launch: data.Launch) -> None:
         self.launches[branch] = launch
