@@ -90,6 +90,7 @@ def test_a_branch_lossless_when_forced_but_wrong_when_timed_is_rejected(ws, ceil
     assert "1 tokens where stock gives 16" in att.reason
 
 
+@pytest.mark.slow  # a real paired benchmark of the base against itself; the rule is exercised by make demo
 def test_the_keep_threshold_comes_from_the_base_against_itself_and_is_cached(ws):
 
     first = noise_floor(ws, ws.stock_commit)

@@ -181,10 +181,8 @@ def test_forcing_navigation_between_mismatches(ws):
 
 
 def test_diff_and_help_and_palette(ws):
-    from textual.widgets import HelpPanel
-
     from workbench.tui.app import SpecPilotCommands
-    from workbench.tui.screens import TextViewScreen
+    from workbench.tui.screens import KeysScreen, TextViewScreen
 
     async def go():
         app = app_for(ws)
@@ -199,10 +197,13 @@ def test_diff_and_help_and_palette(ws):
             assert not isinstance(app.screen, TextViewScreen)
             await pilot.press("question_mark")
             await pilot.pause()
-            assert app.screen.query(HelpPanel)
+            assert isinstance(app.screen, KeysScreen)
+            keys = [(sec, key) for sec, key, _ in app.screen.rows]
+            assert keys[:4] == [("anywhere", "1-5"), ("anywhere", "?"), ("anywhere", "ctrl+p"), ("anywhere", "q")]
+            assert ("Branches", "F") in keys and ("Branches", "/") in keys
             await pilot.press("question_mark")
             await pilot.pause()
-            assert not app.screen.query(HelpPanel)
+            assert not isinstance(app.screen, KeysScreen)
             names = [c[0] for c in SpecPilotCommands(app.screen).commands()]
             assert "Merge ngram into base" in names and "Diff of ngram against its base" in names
             assert not any(n.startswith("Steer") for n in names)  # no agent running
@@ -583,6 +584,34 @@ def test_launch_a_tuner_runs_the_cascade(ws):
             assert ws.memory.list_evaluations(ws.branch(branch).id)
 
     run(go())
+
+
+@pytest.mark.slow
+def test_a_loop_round_from_the_keyboard_is_the_auto_round(tmp_path):
+    """L runs one round through `Loop.run`, as `--auto` does: a round is recorded done, the toast says
+    so, and the app keeps running."""
+    from workbench.tui.app import make_app
+    from workbench.workspace import init_demo
+
+    w = init_demo(tmp_path / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1,
+                  limits={"request_s": 60, "start_s": 120}, bench={"noise_pairs": 1})
+
+    async def go():
+        app = make_app(w.path, poll_s=0.3, blink=False)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2", "L")
+            await until(pilot, lambda: "loop" in app.live, 10, "the round to start")
+            await until(pilot, lambda: "loop" not in app.live, 1500, "the round to end")
+            await until(pilot, lambda: any(n.message.startswith(("round 1 done", "loop:"))
+                                           for n in app._notifications), 10, "the toast")
+            await pilot.pause(0.3)
+            assert app.is_running
+        rounds = [r for r in w.memory.list_rounds(w.deployment_id()) if r.status == "done"]
+        assert [r.summary["index"] for r in rounds] == [1]
+
+    run(go())
+    w.close()
 
 
 def test_the_first_paint_does_not_wait_for_the_workspace(ws):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from workbench.forcing import force, run_system, stock_reference, timed_output_problem
 from workbench.harness import SystemCrash
-from workbench.measure import PairResult, load_prompts, paired_bench
+from workbench.measure import PairResult, TimedOutputWrong, load_prompts, paired_bench
 from workbench.progress import step
 from workbench.workspace import NOISE_MARGIN, NOISE_PAIRS, Workspace
 
@@ -142,14 +142,11 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
             with run_system(ws, ws.detached_worktree("_base", base), "base") as a, \
                     run_system(ws, ws.worktree_path(branch), f"bench-{branch}") as c:
                 res = paired_bench(a, c, timing_prompts(ws), ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws),
-                                   label=label)
+                                   label=label, check_b=lambda pid, toks: timed_output_problem(ref, pid, toks))
         except SystemCrash as e:
             return None, stage("bench", "rejected" if e.kind == "cheat" else "crash", f"{e.kind}: {e.reason}")
-        wrong = [w for pid, outs in res.b_outputs.items() for o in outs
-                 if (w := timed_output_problem(ref, pid, o)) is not None]
-        if wrong:
-            return None, stage("bench", "rejected", f"timed output differs from stock ({len(wrong)}): {wrong[0]}",
-                               res.as_dict())
+        except TimedOutputWrong as e:  # stopped at the first wrong answer: no speed is measured for it
+            return None, stage("bench", "rejected", f"timed output differs from stock: {e}")
         return res, None
 
     res, ended = bench("bench")

@@ -21,7 +21,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -81,6 +81,10 @@ def profile_entry(sp: SystemProcess, prompts: list[Prompt], n: int, draft_len: i
             "seconds": seconds}
 
 
+class TimedOutputWrong(Exception):
+    """B answered a timed request with output that is not stock's; the message says where."""
+
+
 @dataclass
 class PairResult:
     speedup: float  # time(A) / time(B)
@@ -116,11 +120,13 @@ def _ci(ratios: list[float]) -> tuple[float, float, float]:
 def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: int, *, min_passes: int = 3,
                  max_passes: int = 8, rel_ci: float = 0.02, budget_s: float = 300.0,
                  config_a: dict | None = None, config_b: dict | None = None,
-                 cpus: set[int] | None = None, label: str = "bench") -> PairResult:
+                 cpus: set[int] | None = None, label: str = "bench",
+                 check_b: Callable[[str, list[int]], str | None] | None = None) -> PairResult:
     """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends.
 
     Both sides run on `cpus` (default: the CPUs this process may use); a side found outside them
-    after a timed request raises SystemCrash(kind="cheat")."""
+    after a timed request raises SystemCrash(kind="cheat"). `check_b(prompt_id, tokens)` judges every
+    output B gives while timed; a problem stops the benchmark at once (TimedOutputWrong)."""
     cpus = set(cpus) if cpus else os.sched_getaffinity(0)
     ratios: list[float] = []
     ta_all = tb_all = 0.0
@@ -152,6 +158,9 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                         res[id(sp)] = sp.generate(p.ids, n, config=config_a if sp is a else config_b)
                     sp.check_pinned(cpus)
                 ra, rb = res[id(a)], res[id(b)]
+                problem = check_b(p.id, rb.tokens) if check_b is not None else None
+                if problem is not None:
+                    raise TimedOutputWrong(problem)
                 ta += ra.seconds
                 tb += rb.seconds
                 tok_a += len(ra.tokens)

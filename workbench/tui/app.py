@@ -33,7 +33,6 @@ from textual.widgets import (
     DataTable,
     Footer,
     Header,
-    HelpPanel,
     Input,
     Label,
     ProgressBar,
@@ -45,7 +44,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from workbench.harness import cancel_branch as kill_branch_systems
 from workbench.tui import data
-from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen, TextViewScreen
+from workbench.tui.screens import ConfirmScreen, KeysScreen, LaunchScreen, TextInputScreen, TextViewScreen
 from workbench.tui.widgets import BranchesPane, ForcingPane, LogPane, MemoryPane, OverviewPane
 
 TABS = (("overview", "Overview"), ("branches", "Branches"), ("forcing", "Forcing"), ("memory", "Memory"),
@@ -483,10 +482,19 @@ class SpecPilotApp(App[int]):
             self.load_mechanisms(self.search_text())
 
     def action_toggle_keys(self) -> None:
-        if self.screen.query(HelpPanel):
-            self.action_hide_help_panel()
-        else:
-            self.action_show_help_panel()
+        """The keys of the app, then of the tab in front (its table's cursor keys are the usual ones)."""
+        rows = [("anywhere", "1-5", "tabs: " + ", ".join(label for _, label in TABS)),
+                ("anywhere", "?", "these keys"), ("anywhere", "ctrl+p", "the actions that fit the selection"),
+                ("anywhere", "q", "quit (running agents are stopped, their branches marked interrupted)")]
+        pane = {"branches": self.branches, "forcing": self.forcing, "memory": self.memory,
+                "log": self.log_pane}.get(self.active_tab())
+        label = dict(TABS).get(self.active_tab(), "")
+        for b in getattr(pane, "BINDINGS", []):
+            key = {"slash": "/"}.get(b.key, b.key)
+            rows.append((label, key, f"{b.description}: {b.tooltip}" if b.tooltip else b.description))
+        if self.active_tab() == "branches":
+            rows.append((label, "enter", "the branch's forcing report"))
+        self.push_screen(KeysScreen(rows))
 
     def selected_branch(self) -> str | None:
         return self.branches.selected()
@@ -674,6 +682,9 @@ class SpecPilotApp(App[int]):
 
     def open_forcing(self, branch: str, switch: bool = True) -> None:
         self.forcing_branch = branch
+        # The report loaded now is the latest: the next poll must not load it again (and reset the cursor).
+        row = next((b for b in self.snapshot.branches if b.name == branch), None) if self.snapshot else None
+        self._forcing_report_id = row.forcing_report_id if row else None
         pane = self.forcing
         sel = pane.query_one(Select)
         if branch in getattr(pane, "_names", []) and sel.value != branch:

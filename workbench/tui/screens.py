@@ -154,6 +154,38 @@ class LaunchScreen(ModalScreen[tuple[str, str] | None]):
         self.dismiss(None)
 
 
+class KeysScreen(ModalScreen[None]):
+    """The keys that work here, the app's own first (Textual's help panel lists the focused table's
+    cursor keys first and pushes these below the fold at 80x24). `rows`: (section, key, what)."""
+
+    BINDINGS = [Binding("escape,question_mark,q", "close", "Close", id="keys.close")]
+
+    def __init__(self, rows: list[tuple[str, str, str]]) -> None:
+        super().__init__(classes="dialog-screen")
+        self.rows = rows
+
+    def compose(self) -> ComposeResult:
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(style="bold", no_wrap=True, justify="right")
+        grid.add_column()
+        section = None
+        for sec, key, what in self.rows:
+            if sec != section:
+                grid.add_row(Text(""), Text(sec, style="bold underline"))
+                section = sec
+            grid.add_row(Text(key), Text(what))
+        with Vertical(classes="dialog"):
+            with VerticalScroll(id="keys-body"):
+                yield Static(grid, id="keys-text")
+            yield Label("escape or ? closes", classes="why")
+
+    def on_mount(self) -> None:
+        self.query_one("#keys-body").focus()
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
 SIDE_BY_SIDE_MIN_WIDTH = 140  # terminal columns from which a diff is shown before | after
 
 

@@ -334,7 +334,11 @@ class ForcingPane(Vertical):
 
     def show(self, report: dict | None) -> None:
         """`report`: {branch, status, reason, match_rate, positions_checked, threshold, prompts: {id: {...}},
-        mismatches: [...]} as the app's worker builds it, or None."""
+        mismatches: [...]} as the app's worker builds it, or None. The same report shown again keeps the
+        mismatch the engineer is on."""
+        same = (self.report is not None and report is not None and self.report.get("branch") == report.get("branch")
+                and self.report.get("mismatches") == report.get("mismatches"))
+        keep = self.current() if same else 0
         self.report = report
         table = self.query_one("#mismatches", DataTable)
         table.clear()
@@ -357,7 +361,7 @@ class ForcingPane(Vertical):
             table.add_row(Text(short_id(m["prompt_id"])), Text(str(m["position"]), justify="right"),
                           Text(repr(m["stock_text"])), Text(repr(m["candidate_text"])),
                           Text(margin, justify="right"), kind, key=str(i))
-        self.show_mismatch(0)
+        self.show_mismatch(max(0, keep))
 
     def current(self) -> int:
         table = self.query_one("#mismatches", DataTable)
@@ -438,6 +442,8 @@ class ForcingPane(Vertical):
         self._jump_real(-1)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.cursor_row != event.data_table.cursor_row:
+            return  # an older highlight, delivered after a jump moved the cursor on
         if event.data_table.id == "mismatches" and self.report and event.cursor_row >= 0:
             self.show_mismatch(event.cursor_row)
 
