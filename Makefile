@@ -36,8 +36,10 @@ loop-demo: setup
 	test -f $(LOOP_WS)/specpilot.toml || $(VENV)/bin/specpilot init demo $(LOOP_WS)
 	$(VENV)/bin/specpilot-tui --auto --workspace $(LOOP_WS) --rounds 3 --agents 2 --json
 
+# One worker per core, each test file on one worker (its module fixtures built once); the slow tier
+# stays serial: it decides keep/discard on timings.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
