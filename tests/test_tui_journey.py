@@ -98,10 +98,10 @@ def test_launch_watch_accept_export_quit_in_tmux(tmp_path):
         assert len({r.split('·')[0] for r in seen if '·' in r}) >= 3, seen  # phases changed while watched
         panes["branches-120x40-kept"] = tm.pane()
         tm.resize(80, 24)
-        time.sleep(1.0)
+        time.sleep(2.0)  # the app redraws at the new size
         panes["branches-80x24-kept"] = tm.pane()
         tm.keys("1")
-        time.sleep(0.5)
+        time.sleep(1.5)
         panes["overview-80x24"] = tm.pane()
         tm.resize(120, 40)
         tm.keys("4")

@@ -49,6 +49,9 @@ class GapBars(Static):
         self.could_save: dict[str, float] = {}
         self.caption = ""
 
+    def on_resize(self) -> None:
+        self.refresh(layout=True)  # the bars are as wide as the widget: draw them again at the new width
+
     def show(self, families: dict[str, float], caption: str, could_save: dict[str, float] | None = None) -> None:
         self.families, self.caption, self.could_save = dict(families), caption, dict(could_save or {})
         self.refresh(layout=True)
@@ -456,6 +459,9 @@ def best_speedup(m: Mechanism) -> float | None:
     return max(s) if s else None
 
 
+NAME_WIDTH = 40  # the Memory table's name column (the full name is in the detail below the table)
+
+
 class MemoryPane(Vertical):
     BINDINGS = [
         Binding("a", "app.accept", "Accept", id="memory.accept", tooltip="accept the mechanism, with a note"),
@@ -472,7 +478,8 @@ class MemoryPane(Vertical):
         yield Input(placeholder="search mechanisms (name, summary, notes); enter to search", id="memory-search")
         table: DataTable = DataTable(id="mechanisms", cursor_type="row", zebra_stripes=True)
         for label in ("id", "status", "family", "name", "best", "deployments"):
-            table.add_column(label, key=label)
+            # A tuner's mechanism name lists every knob it set: cut, so best and deployments stay in view.
+            table.add_column(label, key=label, width=NAME_WIDTH if label == "name" else None)
         yield table
         yield Static("", id="mechanism-detail")
 
@@ -486,7 +493,7 @@ class MemoryPane(Vertical):
             best = best_speedup(m)
             deps = sorted({e.get("deployment", "?") for e in m.evidence})
             table.add_row(Text(str(m.id), justify="right"), Text(m.status, style=style.get(m.status, "")),
-                          Text(m.gap_family), Text(m.name, overflow="ellipsis"),
+                          Text(m.gap_family), Text(m.name, overflow="ellipsis", no_wrap=True),
                           Text(f"{best:.2f}x" if best is not None else "-", justify="right"),
                           Text(", ".join(deps) or "-"), key=str(m.id))
         if keep in self.mechanisms:
