@@ -107,6 +107,23 @@ def select_row(app, table_id: str, key: str) -> None:
     table.move_cursor(row=table.get_row_index(key))
 
 
+@pytest.fixture
+def llm_stub(monkeypatch):
+    """An OpenAI-protocol server on loopback (the test double for a hosted LLM) whose model keeps
+    exploring (list_files each turn, a turn a second) until stopped; the environment points at it."""
+    from tests.openai_stub import OpenAIStub, call
+
+    def keep_looking(body):
+        time.sleep(1.0)
+        return call("list_files", path=".")
+
+    with OpenAIStub([], after=keep_looking) as stub:
+        monkeypatch.setenv("OPENAI_BASE_URL", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("SPECPILOT_LLM_MODEL", "stub")
+        yield stub
+
+
 # -- flows -----------------------------------------------------------------------------------------------
 
 
@@ -484,85 +501,65 @@ def test_log_follows_the_store(ws):
     run(go())
 
 
-def test_launch_steer_stop_an_llm_agent(ws, monkeypatch):
-    from tests.openai_stub import OpenAIStub, call
+def test_launch_steer_stop_an_llm_agent(ws, llm_stub):
     from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen
 
-    def keep_looking(body):  # a model that keeps exploring until stopped (40 turns: 40 s of budget)
-        time.sleep(1.0)
-        return call("list_files", path=".")
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2", "l")
+            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+            screen = app.screen
+            screen.query_one("#kind-llm").value = True
+            families = [c.family for c in screen.choices]
+            assert families[0] == "compute"  # the largest gap first
+            screen.query_one("#direction").highlighted = families.index("drafting")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.live, 20, "the launch")
+            branch = next(iter(app.live))
+            assert branch == "tui-llm-drafting-1"
+            await until(pilot, lambda: len(llm_stub.requests) >= 1, 60, "the agent's first request")
+            await until(pilot, lambda: branch in app.query_one("#branches-table").rows, 10, "the branch row")
+            select_row(app, "#branches-table", branch)
+            await pilot.press("s")
+            assert isinstance(app.screen, TextInputScreen)
+            await pilot.press(*"try draft_len 2", "enter")
+            await until(pilot, lambda: any("Engineer: try draft_len 2" in json.dumps(r["body"])
+                                           for r in llm_stub.requests), 20, "the steering message to reach the model")
+            await pilot.press("x")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await until(pilot, lambda: not app.live, 30, "the agent to stop")
+            await until(pilot, lambda: ws.branch(branch).status == "discarded", 10, "the attempt")
+            kinds = [e.kind for e in ws.memory.list_events()]
+            assert "llm.steering" in kinds and "tui.launch" in kinds
+            evals = ws.memory.list_evaluations(ws.branch(branch).id)
+            assert evals[-1].status == "discard"
 
-    with OpenAIStub([], after=keep_looking) as stub:
-        monkeypatch.setenv("OPENAI_BASE_URL", stub.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("SPECPILOT_LLM_MODEL", "stub")
-
-        async def go():
-            app = app_for(ws)
-            async with app.run_test(notifications=True, size=(120, 40)) as pilot:
-                await opened(pilot)
-                await pilot.press("2", "l")
-                await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
-                screen = app.screen
-                screen.query_one("#kind-llm").value = True
-                families = [c.family for c in screen.choices]
-                assert families[0] == "compute"  # the largest gap first
-                screen.query_one("#direction").highlighted = families.index("drafting")
-                await pilot.press("enter")
-                await until(pilot, lambda: app.live, 20, "the launch")
-                branch = next(iter(app.live))
-                assert branch == "tui-llm-drafting-1"
-                await until(pilot, lambda: len(stub.requests) >= 1, 60, "the agent's first request")
-                await until(pilot, lambda: branch in app.query_one("#branches-table").rows, 10, "the branch row")
-                select_row(app, "#branches-table", branch)
-                await pilot.press("s")
-                assert isinstance(app.screen, TextInputScreen)
-                await pilot.press(*"try draft_len 2", "enter")
-                await until(pilot, lambda: any("Engineer: try draft_len 2" in json.dumps(r["body"])
-                                               for r in stub.requests), 20, "the steering message to reach the model")
-                await pilot.press("x")
-                assert isinstance(app.screen, ConfirmScreen)
-                await pilot.press("y")
-                await until(pilot, lambda: not app.live, 30, "the agent to stop")
-                await until(pilot, lambda: ws.branch(branch).status == "discarded", 10, "the attempt")
-                kinds = [e.kind for e in ws.memory.list_events()]
-                assert "llm.steering" in kinds and "tui.launch" in kinds
-                evals = ws.memory.list_evaluations(ws.branch(branch).id)
-                assert evals[-1].status == "discard"
-
-        run(go())
+    run(go())
 
 
-def test_quit_with_an_agent_running_marks_it_interrupted(ws, monkeypatch):
-    from tests.openai_stub import OpenAIStub, call
+def test_quit_with_an_agent_running_marks_it_interrupted(ws, llm_stub):
     from workbench.tui.screens import LaunchScreen
 
-    def keep_looking(body):
-        time.sleep(0.5)
-        return call("list_files", path=".")
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            await pilot.press("2", "l")
+            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+            app.screen.query_one("#kind-llm").value = True
+            await pilot.press("enter")
+            await until(pilot, lambda: len(llm_stub.requests) >= 1, 60, "the agent's first request")
+            branch = next(iter(app.live))
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running, 10, "the app to quit")
+        assert app.abandoned == [branch]
+        ev = [e for e in ws.memory.list_events() if e.kind == "tui.interrupted"]
+        assert ev and branch in ev[-1].message and "E re-evaluates" in ev[-1].message
 
-    with OpenAIStub([], after=keep_looking) as stub:
-        monkeypatch.setenv("OPENAI_BASE_URL", stub.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("SPECPILOT_LLM_MODEL", "stub")
-
-        async def go():
-            app = app_for(ws)
-            async with app.run_test(notifications=True, size=(120, 40)) as pilot:
-                await opened(pilot)
-                await pilot.press("2", "l")
-                await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
-                app.screen.query_one("#kind-llm").value = True
-                await pilot.press("enter")
-                await until(pilot, lambda: len(stub.requests) >= 1, 60, "the agent's first request")
-                branch = next(iter(app.live))
-                await pilot.press("q")
-                await until(pilot, lambda: not app.is_running, 10, "the app to quit")
-            assert app.abandoned == [branch]
-            ev = [e for e in ws.memory.list_events() if e.kind == "tui.interrupted"]
-            assert ev and branch in ev[-1].message and "E re-evaluates" in ev[-1].message
-
-        run(go())
+    run(go())
 
 
 @pytest.mark.slow

@@ -95,7 +95,8 @@ def step(phase: str, done: int | None = None, total: int | None = None, detail: 
         tr.step(phase, done, total, detail)
 
 
-def _alive(pid: object) -> bool:
+def pid_alive(pid: object) -> bool:
+    """Whether a process with this pid runs (one of another user counts as running)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -127,7 +128,7 @@ def read_progress(state_dir: Path) -> dict[str, dict]:
         if isinstance(done, int) and isinstance(total, int) and 0 < done < total:
             spent = max(0.0, float(rec.get("updated", now)) - float(rec.get("phase_started", now)))
             rec["eta_s"] = spent / done * (total - done)
-        rec["alive"] = _alive(rec.get("pid"))
+        rec["alive"] = pid_alive(rec.get("pid"))
         out[str(rec["branch"])] = rec
     return out
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import git
 
 from store import Branch, Memory
+from workbench.progress import pid_alive
 from workbench.safegit import SafeGitError, worktree_admin_dir, worktree_git
 
 STOCK_TAG = "stock"
@@ -305,7 +306,7 @@ class Workspace:
                 shutil.rmtree(d, ignore_errors=True)
                 done.append(f"removed stale worktree folder {d.name}")
         for name, b in known.items():
-            if b.status in LIVE_STATUSES and not _alive(self._lock_pid(name)):
+            if b.status in LIVE_STATUSES and not pid_alive(self._lock_pid(name)):
                 what = "the evaluation" if b.status == "evaluating" else "the agent's work"
                 self.memory.add_evaluation(b.id, "forcing" if b.status == "evaluating" else "agent", "crash",
                                            f"interrupted: the process died during {what}")
@@ -349,7 +350,7 @@ class Workspace:
 
     def evaluation_alive(self, name: str) -> bool:
         """Whether the process that marked `name` running/evaluating still runs."""
-        return _alive(self._lock_pid(name))
+        return pid_alive(self._lock_pid(name))
 
     def begin_evaluation(self, b: Branch, status: str = "evaluating") -> None:
         """Mark a branch as worked on by this process (`evaluating`, or `running` for an agent)."""
@@ -430,18 +431,6 @@ class Workspace:
             return [ln for ln in r.stdout.splitlines() if ln]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 DEMO_PROTECTED = ["specpilot.toml", "prompts/", "decoder/serve.py", ".gitignore"]
