@@ -110,6 +110,36 @@ class LaunchFinished(Message):
         self.branch, self.attempt = branch, attempt
 
 
+def _follow(fn: Callable[[], Any], name: str, on_cancel: Callable[[], None] | None = None,
+            on_error: Callable[[], None] | None = None) -> tuple[bool, Any]:
+    """Run `fn` in a daemon thread and wait for it from the current thread worker, so quitting never
+    waits for a long run: (True, its result), or (False, None) when the worker was cancelled first
+    (`on_cancel` then runs). An exception in `fn` is raised here, after `on_error`, for the worker's
+    error notification."""
+    result: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again below, in the worker
+            result["error"] = e
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    worker = get_current_worker()
+    while thread.is_alive():
+        thread.join(0.2)
+        if worker.is_cancelled:
+            if on_cancel is not None:
+                on_cancel()
+            return False, None
+    if "error" in result:
+        if on_error is not None:
+            on_error()
+        raise result["error"]
+    return True, result.get("value")
+
+
 # -- the command palette ---------------------------------------------------------------------------------
 
 
@@ -296,32 +326,17 @@ class SpecPilotApp(App[int]):
 
     @work(thread=True, group="background", exit_on_error=False, name="background work")
     def _background(self, what: str, branch: str | None, fn: Callable[[], str]) -> None:
-        """`fn` (forcing, a re-evaluation, a loop round) in a daemon thread, followed so that quitting
-        never waits for it; its branch counts as live (quit marks it interrupted, c cancels it)."""
-        result: dict[str, Any] = {}
-
-        def body() -> None:
-            try:
-                result["text"] = fn()
-            except BaseException as e:  # noqa: BLE001 - reported by the worker below
-                result["error"] = e
-
+        """`fn` (forcing, a re-evaluation, a loop round) followed in a daemon thread; its branch counts
+        as live meanwhile (quit marks it interrupted, c cancels it)."""
         if branch:
             self.call_from_thread(self._set_live, branch, True)
-        thread = threading.Thread(target=body, name=f"{what}-{branch}", daemon=True)
-        thread.start()
-        worker = get_current_worker()
         try:
-            while thread.is_alive():
-                thread.join(0.2)
-                if worker.is_cancelled:
-                    return
+            done, text = _follow(fn, f"{what}-{branch}")
         finally:
             if branch:
                 self.call_from_thread(self._set_live, branch, False)
-        if "error" in result:
-            raise result["error"]
-        self.post_message(Done(result.get("text", f"{what} done"), "memory"))
+        if done:
+            self.post_message(Done(text or f"{what} done", "memory"))
 
     @work(thread=True, group="launch", exit_on_error=False, name="launch")
     def _launch(self, kind: str, family: str) -> None:
@@ -330,25 +345,10 @@ class SpecPilotApp(App[int]):
         branch = data.free_branch_name(self.ws, kind, family)
         launch = data.Launch(self.ws, kind, family, branch)
         self.call_from_thread(self._register_launch, branch, launch)
-        result: dict[str, Any] = {}
-
-        def body() -> None:
-            try:
-                result["attempt"] = launch.run()
-            except BaseException as e:  # noqa: BLE001 - reported by the worker below
-                result["error"] = e
-
-        thread = threading.Thread(target=body, name=f"agent-{branch}", daemon=True)
-        thread.start()
-        worker = get_current_worker()
-        while thread.is_alive():
-            thread.join(0.2)
-            if worker.is_cancelled:
-                launch.stop()
-                return
-        self.post_message(LaunchFinished(branch, result.get("attempt")))
-        if "error" in result:
-            raise result["error"]
+        done, attempt = _follow(launch.run, f"agent-{branch}", on_cancel=launch.stop,
+                                on_error=lambda: self.post_message(LaunchFinished(branch, None)))
+        if done:
+            self.post_message(LaunchFinished(branch, attempt))
 
     def _set_live(self, branch: str, live: bool) -> None:
         (self.live.add if live else self.live.discard)(branch)
