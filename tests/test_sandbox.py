@@ -58,6 +58,13 @@ def call(rc):
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 tried("mount_tmpfs", lambda: call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, None)))
 tried("umount_proc_sys", lambda: call(libc.umount2(b"/proc/sys", 2)))
+def own_userns():  # in a child: a user namespace of its own would allow an unaccounted tmpfs
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if libc.unshare(0x10000000) == 0 else 1)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        raise OSError(1, "refused")
+tried("new_userns", own_userns)
 tried("network", lambda: socket.create_connection(("10.255.255.1", 80), timeout=1))
 tried("loopback_listen", lambda: socket.socket().bind(("127.0.0.1", 0)))
 def big(path, mib):
@@ -120,7 +127,8 @@ def test_the_candidate_is_unprivileged_inside_and_outside_and_contained(tmp_path
     else:
         assert host_uids == {os.geteuid()}
     for attack in ("core_pattern", "proc_sys", "sysrq", "host_root_home", "etc_shadow", "write_root",
-                   "write_worktree", "mount_tmpfs", "umount_proc_sys", "network", "tmp_600m", "shm_100m"):
+                   "write_worktree", "mount_tmpfs", "umount_proc_sys", "network", "tmp_600m", "shm_100m",
+                   "new_userns"):
         assert got[attack] is not True, f"{attack} succeeded inside the sandbox"
     assert got["loopback_listen"] is True  # only the namespace's own loopback
     assert got["forks"] < 200 and got.get("fork_error"), got

@@ -159,6 +159,9 @@ def main() -> None:
     else:
         enter_namespaces()
         build_root(spec, root)
+    # One more user namespace below this one (the lock below) and no other: inside its own user
+    # namespace the candidate could mount a tmpfs of any size, memory the harness does not see.
+    write("/proc/sys/user/max_user_namespaces", "1")
     # Kernel tunables and triggers read-only (a writable core_pattern is a path to host code execution).
     for p in ("/proc/sys", "/proc/sysrq-trigger"):
         if os.path.exists(p):
