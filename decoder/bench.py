@@ -8,6 +8,7 @@ forwards over the same contexts): bf16 rounding can flip such a near-tie, nothin
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -18,9 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decoder.config import DecodeConfig
-from decoder.drafters import DraftModelDrafter, NgramDrafter
-from decoder.generate import ar_generate, crop_cache, speculative_generate
+from decoder.config import DecodeConfig, verify_width
+from decoder.generate import crop_cache, generate
 from decoder.models import (
     ModelLoadError,
     check_same_tokenizer,
@@ -28,7 +28,9 @@ from decoder.models import (
     load_causal_lm,
     load_tokenizer,
 )
+from decoder.presets import BLOCK_DRAFT_LEN, DCUT_MAX_LEN, MTP_DRAFT_LEN, PRESETS, preset_config
 from decoder.profiler import DecodeStats
+from decoder.w12 import apply_w12
 
 OUR_METHODS = ("ar", "sd-draft-model", "sd-ngram")
 # Mechanism lean_forward: the same methods on decoder/lean.py's forward. Their speedup_vs_ar is taken
@@ -59,37 +61,53 @@ def _baseline(name: str) -> str:
     return VARIANT_BASELINE.get(name.rsplit("-", 1)[-1], "ar")
 
 
+_DEFAULT = DecodeConfig()
+
+
 @dataclass(frozen=True)
 class TreeSettings:
-    """Bench settings of sd-tree, sd-two-level and sd-dcut (defaults: the best measured on the demo, README)."""
+    """Flags of sd-tree, sd-two-level and sd-dcut (defaults: DecodeConfig's, the best measured on the demo)."""
 
-    tree_shape: str = "dynamic"
-    tree_topk: int = 4
-    tree_depth: int = 3
-    tree_budget: int = 12
-    two_level_alts: int = 3
-    two_level_draft_len: int = 3
-    dcut_threshold: float = 0.02
-    dcut_max_len: int = 6
+    tree_shape: str = _DEFAULT.tree_shape
+    tree_topk: int = _DEFAULT.tree_topk
+    tree_depth: int = _DEFAULT.tree_depth
+    tree_budget: int = _DEFAULT.tree_budget
+    two_level_alts: int = _DEFAULT.two_level_alts
+    two_level_draft_len: int = _DEFAULT.draft_len
+    dcut_threshold: float = _DEFAULT.dcut_threshold
+    dcut_max_len: int = DCUT_MAX_LEN
 
-    def verify_widths(self) -> tuple[int, ...]:
-        """The target verify widths these methods use (the noise floor is measured at each)."""
-        from decoder.config import parse_tree_shape, static_tree_nodes
-
-        widths = parse_tree_shape(self.tree_shape)
-        tree = 1 + (static_tree_nodes(widths) if widths else self.tree_budget)
-        return (tree, self.two_level_draft_len + 1, self.dcut_max_len + 1)
+    def overrides(self, name: str) -> dict:
+        """The DecodeConfig keys these flags set for method `name`."""
+        if name == "sd-tree":
+            return {"tree_shape": self.tree_shape, "tree_topk": self.tree_topk, "tree_depth": self.tree_depth,
+                    "tree_budget": self.tree_budget}
+        if name == "sd-two-level":
+            return {"two_level_alts": self.two_level_alts, "draft_len": self.two_level_draft_len}
+        if name == "sd-dcut":
+            return {"dcut_threshold": self.dcut_threshold, "draft_len": self.dcut_max_len}
+        return {}
 
 
 @dataclass(frozen=True)
 class FeatureSettings:
-    """Bench settings of sd-block, sd-mtp and sd-routed (defaults: the best measured on the demo, README)."""
+    """Flags of sd-block, sd-mtp and sd-routed (defaults: the best measured on the demo, README)."""
 
-    block_draft_len: int = 8
-    mtp_draft_len: int = 6
-    route_code: str = "mtp"  # measured best on both demo domains (README); AngelSpec's split is code -> block
-    route_prose: str = "mtp"
+    block_draft_len: int = BLOCK_DRAFT_LEN
+    mtp_draft_len: int = MTP_DRAFT_LEN
+    route_code: str = _DEFAULT.route_code  # measured best on both demo domains (README)
+    route_prose: str = _DEFAULT.route_prose
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
+
+    def overrides(self, name: str) -> dict:
+        if name == "sd-block":
+            return {"draft_len": self.block_draft_len}
+        if name == "sd-mtp":
+            return {"draft_len": self.mtp_draft_len}
+        if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
+            return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
+                    else self.block_draft_len, "route_code": self.route_code, "route_prose": self.route_prose}
+        return {}
 
 
 REFERENCE = "hf-greedy"
@@ -165,119 +183,55 @@ def _sync(device: torch.device) -> None:
 
 
 class Bench:
-    """Holds the models and runs each method on a prompt."""
+    """Holds the models and runs each method on a prompt: our methods are presets (decoder/presets.py) run
+    through `decoder.generate.generate`, the HF methods are Hugging Face generate."""
 
     def __init__(self, target, drafter, eos_id: int, cfg: DecodeConfig, ngram_draft_len: int,
                  hf_prompt_lookup_tokens: int = 10, tree: TreeSettings | None = None,
                  feature: FeatureSettings | None = None, heads=None) -> None:
         self.feature = feature or FeatureSettings()
+        self.tree = tree or TreeSettings()
         self.heads = heads
         self.target = target
         self.drafter = drafter
         self.eos_id = eos_id
         self.cfg = cfg
-        self.ngram_cfg = DecodeConfig(**{**cfg.as_dict(), "drafter": "ngram", "draft_len": ngram_draft_len})
+        self.ngram_draft_len = ngram_draft_len
         self.hf_prompt_lookup_tokens = hf_prompt_lookup_tokens
-        t = tree or TreeSettings()
-        self.tree = t
-        base = {**cfg.as_dict(), "lean_forward": True}
-        self.tree_cfgs = {
-            "sd-tree": DecodeConfig(**{**base, "verify": "tree", "tree_shape": t.tree_shape, "tree_topk": t.tree_topk,
-                                       "tree_depth": t.tree_depth, "tree_budget": t.tree_budget}),
-            "sd-two-level": DecodeConfig(**{**base, "verify": "two-level", "two_level_alts": t.two_level_alts,
-                                            "draft_len": t.two_level_draft_len}),
-            "sd-dcut": DecodeConfig(**{**base, "dcut": True, "dcut_threshold": t.dcut_threshold,
-                                       "draft_len": t.dcut_max_len}),
-        }
         self.device = next(target.parameters()).device
         self.w12_footprint: dict | None = None
+        self._w12_target = None
+
+    def config(self, name: str) -> DecodeConfig:
+        """The DecodeConfig method `name` runs: its preset over the bench's config, with the flags' values."""
+        flags = {**self.tree.overrides(name), **self.feature.overrides(name)}
+        if "ngram" in name:
+            flags["draft_len"] = self.ngram_draft_len
+        return preset_config(name, self.cfg, **flags)
 
     def methods(self, names: tuple[str, ...]) -> dict[str, Callable[[list[int]], tuple[list[int], DecodeStats]]]:
-        lean_target = lean_drafter = None
-        if any(n in LEAN_METHODS + TREE_METHODS + FEATURE_METHODS for n in names):
-            from decoder.lean import LeanLM
-
-            lean_target = LeanLM(self.target)
-            lean_drafter = LeanLM(self.drafter) if self.drafter is not None else None
-        w12_target = None
-        if any(n in W12_METHODS for n in names):
-            import copy
-
-            from decoder.w12 import apply_w12
-
-            w12_target = copy.deepcopy(self.target)
-            self.w12_footprint = apply_w12(w12_target, backend="auto")
-        table = {
-            "ar": lambda p: self._ar(p, self.target),
-            "sd-draft-model": lambda p: self._sd_draft(p, self.target, self.drafter),
-            "sd-ngram": lambda p: self._sd_ngram(p, self.target),
-            "ar-lean": lambda p: self._ar(p, lean_target),
-            "sd-draft-model-lean": lambda p: self._sd_draft(p, lean_target, lean_drafter),
-            "sd-ngram-lean": lambda p: self._sd_ngram(p, lean_target),
-            "ar-w12": lambda p: self._ar(p, w12_target),
-            "sd-draft-model-w12": lambda p: self._sd_draft(p, w12_target, self.drafter),
-            "sd-ngram-w12": lambda p: self._sd_ngram(p, w12_target),
-            "sd-tree": lambda p: self._sd_tree(p, "sd-tree", lean_target, lean_drafter),
-            "sd-two-level": lambda p: self._sd_tree(p, "sd-two-level", lean_target, lean_drafter),
-            "sd-dcut": lambda p: self._sd_tree(p, "sd-dcut", lean_target, lean_drafter),
-            "sd-block": lambda p: self._sd_feature(p, "block", lean_target),
-            "sd-mtp": lambda p: self._sd_feature(p, "mtp", lean_target),
-            "sd-routed": lambda p: self._sd_routed(p, lean_target, lean_drafter),
+        if any(n in W12_METHODS for n in names) and self._w12_target is None:
+            # On a copy: the HF reference keeps bf16. Marked so generate does not convert it again.
+            self._w12_target = copy.deepcopy(self.target)
+            self.w12_footprint = apply_w12(self._w12_target, backend="auto")
+            self._w12_target._specpilot_w12 = True
+        table = {n: self._ours(n) for n in names if n in PRESETS}
+        table.update({
             "hf-greedy": lambda p: self._hf(p, {}),
             "hf-assisted-draft-model": lambda p: self._hf(p, {"assistant_model": self.drafter}),
             "hf-prompt-lookup": lambda p: self._hf(p, {"prompt_lookup_num_tokens": self.hf_prompt_lookup_tokens}),
-        }
+        })
         return {n: table[n] for n in names}
 
-    def _ar(self, prompt: list[int], target) -> tuple[list[int], DecodeStats]:
-        g = ar_generate(target, prompt, DecodeConfig(**{**self.cfg.as_dict(), "method": "ar"}))
-        return g.tokens, g.stats
+    def _ours(self, name: str) -> Callable[[list[int]], tuple[list[int], DecodeStats]]:
+        cfg = self.config(name)
+        target = self._w12_target if cfg.weight_format == "w12" else self.target
 
-    def _sd_draft(self, prompt: list[int], target, drafter) -> tuple[list[int], DecodeStats]:
-        g = speculative_generate(target, DraftModelDrafter(drafter), prompt, self.cfg)
-        return g.tokens, g.stats
+        def run(prompt: list[int]) -> tuple[list[int], DecodeStats]:
+            g = generate(cfg, target, prompt, self.drafter, heads=self.heads)
+            return g.tokens, g.stats
 
-    def _sd_tree(self, prompt: list[int], name: str, target, drafter) -> tuple[list[int], DecodeStats]:
-        from decoder.dcut import DCutDrafter
-        from decoder.tree import tree_generate, two_level_generate
-
-        c = self.tree_cfgs[name]
-        if name == "sd-tree":
-            g = tree_generate(target, drafter, prompt, c)
-        elif name == "sd-two-level":
-            g = two_level_generate(target, drafter, prompt, c)
-        else:
-            g = speculative_generate(target, DCutDrafter(drafter, c.dcut_threshold), prompt, c)
-        return g.tokens, g.stats
-
-    def _sd_feature(self, prompt: list[int], kind: str, target) -> tuple[list[int], DecodeStats]:
-        from decoder.featdraft import feature_generate
-
-        k = self.feature.block_draft_len if kind == "block" else self.feature.mtp_draft_len
-        g = feature_generate(target, self.heads.state(kind, target), prompt, self.cfg.max_new_tokens, k, self.eos_id,
-                             self.cfg.stop_at_eos)
-        return g.tokens, g.stats
-
-    def _sd_routed(self, prompt: list[int], target, drafter) -> tuple[list[int], DecodeStats]:
-        """The router picks the drafter per request; its time is part of the request's time."""
-        t0 = time.perf_counter()
-        domain = self.heads.router().route(prompt)
-        route_s = time.perf_counter() - t0
-        chosen = self.feature.route_code if domain == "code" else self.feature.route_prose
-        if chosen in ("block", "mtp"):
-            out, stats = self._sd_feature(prompt, chosen, target)
-        elif chosen == "draft-model":
-            out, stats = self._sd_draft(prompt, target, drafter)
-        else:
-            out, stats = self._sd_ngram(prompt, target)
-        stats.routes[f"{domain}:{chosen}"] += 1
-        stats.route_s += route_s
-        return out, stats
-
-    def _sd_ngram(self, prompt: list[int], target) -> tuple[list[int], DecodeStats]:
-        c = self.ngram_cfg
-        g = speculative_generate(target, NgramDrafter(c.ngram_max, c.ngram_min, self.device), prompt, c)
-        return g.tokens, g.stats
+        return run
 
     @torch.inference_mode()
     def _hf(self, prompt: list[int], extra: dict) -> tuple[list[int], DecodeStats]:
@@ -433,12 +387,9 @@ def run_bench(
     bar.close()
 
     reference = results[REFERENCE].outputs
-    k_widths = {draft_len + 1, ngram_draft_len + 1}
-    if any(m in TREE_METHODS for m in methods):
-        k_widths |= set(tree.verify_widths())
-    if any(m in FEATURE_METHODS for m in methods):
-        k_widths |= {feature.block_draft_len + 1, feature.mtp_draft_len + 1}
-    k_widths = tuple(sorted(k_widths))
+    # The noise floor is measured at every verify width a method used (and at chain SD's widths).
+    k_widths = {draft_len + 1, ngram_draft_len + 1} | {verify_width(bench.config(m)) for m in methods if m in PRESETS}
+    k_widths = tuple(sorted(w for w in k_widths if w > 1))
     pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference[:noise_prompts], strict=True)]
     floor = noise_floor(target, pairs,
                         k_widths)
@@ -498,9 +449,9 @@ def run_bench(
                 continue
             entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
                                   ngram_draft_len if name.startswith("sd-ngram") else
-                                  bench.tree_cfgs[name].draft_len if name in ("sd-two-level", "sd-dcut") else None)
+                                  bench.config(name).draft_len if name in ("sd-two-level", "sd-dcut") else None)
             if name in TREE_METHODS:
-                c = bench.tree_cfgs[name]
+                c = bench.config(name)
                 entry["mechanism_config"] = (
                     {"verify": "tree", "tree_shape": c.tree_shape, "tree_topk": c.tree_topk,
                      "tree_depth": c.tree_depth, "tree_budget": c.tree_budget} if name == "sd-tree" else

@@ -10,9 +10,9 @@ METHODS = ("ar", "sd")
 DRAFTERS = ("draft-model", "ngram", "block", "mtp", "routed")
 FEATURE_DRAFTERS = ("block", "mtp", "routed")  # read the target's hidden states (decoder/featdraft.py)
 ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router may pick
-# What a feature drafter needs: the lean forward's hidden states and greedy chain verification.
-FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False,
-                 "temperature": 0.0}
+# What a feature drafter needs: the lean forward's hidden states and chain verification (greedy or sampled:
+# its drafts are deterministic, so rejection sampling runs with a one-hot q).
+FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False}
 DTYPES = ("bfloat16", "float32", "float16")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
@@ -41,6 +41,19 @@ def static_tree_nodes(widths: tuple[int, ...]) -> int:
         level *= w
         total += level
     return total
+
+
+def verify_width(cfg: DecodeConfig) -> int:
+    """Positions one target verify forward scores under `cfg` (1 for AR): the width the ceiling, the gaps
+    and the noise floor are computed at."""
+    if cfg.method == "ar":
+        return 1
+    if cfg.verify == "tree":
+        widths = parse_tree_shape(cfg.tree_shape)
+        return 1 + (static_tree_nodes(widths) if widths is not None else cfg.tree_budget)
+    if cfg.verify == "two-level":
+        return 1 + cfg.draft_len * (1 + cfg.two_level_alts)
+    return 1 + cfg.draft_len
 
 
 class ConfigError(ValueError):
@@ -73,9 +86,9 @@ class DecodeConfig:
     tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per depth
     tree_depth: int = 3  # dynamic tree: depth (drafter forwards per step)
     tree_budget: int = 12  # dynamic tree: nodes the target verifies per step (root excluded)
-    two_level_alts: int = 2  # two-level: drafter alternatives held per chain position (chain length = draft_len)
+    two_level_alts: int = 3  # two-level: drafter alternatives held per chain position (chain length = draft_len)
     dcut: bool = False  # cut the draft where the product of drafter top-1 probs < dcut_threshold (cap draft_len)
-    dcut_threshold: float = 0.3
+    dcut_threshold: float = 0.02  # the best measured on the demo (README), with draft_len = 6
     # Mechanism domain-routing (drafter = "routed"): the drafter each domain's requests get.
     route_code: str = "mtp"  # the demo's measured best for both domains (README: feature drafters)
     route_prose: str = "mtp"
@@ -151,7 +164,7 @@ class DecodeConfig:
             for key, want in FEATURE_NEEDS.items():
                 if getattr(self, key) != want:
                     raise bad("drafter", f"the {self.drafter} drafter reads the target's hidden states from the "
-                                         f"lean forward and verifies greedily: it needs {key} = {want!r}; set it "
+                                         f"lean forward and verifies a chain: it needs {key} = {want!r}; set it "
                                          f"or choose drafter = 'draft-model'")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")

@@ -1,22 +1,25 @@
-"""Drafters: a small draft model with its own KV cache, and n-gram prompt lookup.
+"""Chain drafters: a small draft model with its own KV cache, and n-gram prompt lookup.
 
-A drafter sees the committed token sequence, proposes up to k tokens, and is told after
-verification how many of them the target accepted so it can roll its state back.
+Both are proposers of the one loop (decoder/proposer.py): they see the committed token sequence,
+propose up to k tokens as a chain, and are told after verification how many the target accepted so
+they can roll their state back.
 """
 
 from __future__ import annotations
 
 import torch
 
+from decoder.proposer import Draft, Proposer, Verdict
 from decoder.runners import as_runner, crop_cache
 
 
-class Drafter:
-    """Interface. `draft` returns (tokens [<=k] on the device, probs [<=k, V] or None when greedy)."""
+class Drafter(Proposer):
+    """A chain proposer: `draft(tokens, k)` -> (tokens [<=k] on the device, probs [<=k, V] or None when
+    greedy), `commit(tokens, n_accepted)` after the step."""
 
     name = "drafter"
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def draft(self, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -24,6 +27,13 @@ class Drafter:
 
     def commit(self, tokens: list[int], n_accepted: int) -> None:
         """`tokens` is the committed sequence after the step; n_accepted drafts of the last draft survived."""
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        draft, probs = self.draft(tokens, k)
+        return Draft(draft, probs)
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        self.commit(tokens, verdict.n)
 
 
 class DraftModelDrafter(Drafter):
@@ -42,7 +52,7 @@ class DraftModelDrafter(Drafter):
         self._fed = 0  # drafts of the last draft the cache saw (k - 1: the last one is never fed)
         self.forwards = 0
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         self.cache = self.model.new_cache()
         self.cache_len = 0
 
@@ -99,7 +109,7 @@ class NgramDrafter(Drafter):
         self.first: dict[tuple[int, ...], int] = {}  # n-gram -> earliest end position
         self.indexed = 0  # n-grams ending before this position are indexed
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         self.index = {}
         self.first = {}
         self.indexed = 0

@@ -15,8 +15,10 @@ mtp-heads and domain-routing).
 - **DomainRouter**: a bag-of-tokens logistic regression over the prompt (code vs prose) choosing the
   drafter per request; a few microseconds, far under one decode step.
 
-Decoding (`feature_generate`) is chain speculative decoding on the lean forward with greedy
-verification, so every token is the target's argmax: lossless whatever the drafter proposes.
+Both decode-time states are proposers of the one loop (`decoder.generate.speculative_generate`): they
+set `capture`, so the verify forward hands them the target's hidden states of the accepted positions.
+Their drafts are deterministic (argmax), so greedy verification commits the target's argmax and
+rejection sampling with a one-hot q samples the target's distribution exactly: lossless either way.
 Layout beside a target (the defaults of `specpilot train drafter`): `<target>/drafters/block/`,
 `<target>/drafters/mtp/` (config.json, model.safetensors, recipe.json) and `<target>/drafters/router.json`.
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoder.profiler import DecodeStats, PhaseTimer
-from decoder.verify import greedy_accept
+from decoder.proposer import Draft, Proposer, Verdict
 
 DOMAINS = ("code", "prose")
 
@@ -195,8 +195,10 @@ class BlockDrafter(nn.Module):
         return F.linear(h, lm_head)
 
 
-class BlockState:
+class BlockState(Proposer):
     """The block drafter at decode time: its context KV cache, filled with the accepted prefix only."""
+
+    name = "block"
 
     def __init__(self, model: BlockDrafter, embed: torch.Tensor, lm_head: torch.Tensor, max_len: int = 2048
                  ) -> None:
@@ -218,8 +220,16 @@ class BlockState:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
-    def reset(self) -> None:
+    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         self.length = 0
+        if hidden is not None:
+            self.extend(hidden)
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return Draft(self.draft(torch.tensor(tokens[-1:], device=self.k.device), k))
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        self.extend(verdict.hidden)
 
     @torch.inference_mode()
     def extend(self, feats: torch.Tensor) -> None:
@@ -310,8 +320,10 @@ class MTPHeads(nn.Module):
         return _rms(h2, self.out_norm, eps).view(*lead, n, d)
 
 
-class MTPState:
+class MTPState(Proposer):
     """The MTP heads at decode time: the final hidden state of the last accepted position."""
+
+    name = "mtp"
 
     def __init__(self, model: MTPHeads, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         self.m, self.c = model, model.c
@@ -320,11 +332,19 @@ class MTPState:
         self.h: torch.Tensor | None = None
         self.forwards = 0
 
-    def reset(self) -> None:
+    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         self.h = None
+        if hidden is not None:
+            self.extend(hidden)
 
     def extend(self, feats: torch.Tensor) -> None:
         self.h = feats[-1]  # [D]: the last accepted position's final hidden state
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return Draft(self.draft(torch.tensor(tokens[-1:], device=self.h.device), k))
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        self.extend(verdict.hidden)
 
     @torch.inference_mode()
     def draft(self, last: torch.Tensor, k: int) -> torch.Tensor:
@@ -468,63 +488,3 @@ class FeatureHeads:
                 st = MTPState(m, lean_target.embed, lean_target.lm_head)
             self._states[key] = st
         return st
-
-
-@torch.inference_mode()
-def feature_generate(target, drafter, prompt: list[int], max_new_tokens: int, draft_len: int,
-                     eos_id: int | None, stop_at_eos: bool = True, profile_sync: bool = False):
-    """Chain SD with a feature drafter (BlockState / MTPState) on a lean target, greedy verification.
-
-    Per step: one drafter call, one target forward over [last, d1..dk] that also returns the captured
-    hidden states, one device-to-host copy (the accept result); the drafter then takes the features
-    of the accepted positions only.
-    """
-    from decoder.generate import Generation
-
-    device = target.device
-    stats = DecodeStats()
-    timer = PhaseTimer(stats, device, profile_sync)
-    t0 = time.perf_counter()
-    capture = drafter.capture
-    cache = target.new_cache()
-    drafter.reset()
-    forwards0 = drafter.forwards
-    logits, hid = target.forward(torch.tensor(prompt, device=device), cache, last_only=True, capture=capture)
-    tokens = list(prompt)
-    tokens.append(int(logits[-1].argmax().item()))
-    drafter.extend(hid)
-    stats.target_forwards += 1
-    stats.target_tokens += len(prompt)
-    timer.mark("prefill")
-    done = max_new_tokens <= 1 or (stop_at_eos and tokens[-1] == eos_id)
-    while not done:
-        remaining = max_new_tokens - (len(tokens) - len(prompt))
-        k = min(draft_len, remaining - 1)
-        last = torch.tensor([tokens[-1]], device=device)
-        draft = drafter.draft(last, k) if k > 0 else last[:0]
-        k = draft.shape[0]
-        timer.mark("draft")
-        logits, hid = target.forward(torch.cat([last, draft]), cache, capture=capture)
-        stats.target_forwards += 1
-        stats.target_tokens += k + 1
-        timer.mark("verify")
-        result = greedy_accept(logits, draft).tolist()  # the step's one device-to-host copy
-        n = result[0]
-        committed = result[1 : n + 2]
-        cache.crop(len(tokens) + n)
-        tokens.extend(committed)
-        drafter.extend(hid[: n + 1])
-        if k > 0:
-            stats.draft_steps += 1
-            stats.drafted += k
-            stats.accepted += n
-            stats.accept_hist[n] += 1
-        done = len(tokens) - len(prompt) >= max_new_tokens or (stop_at_eos and eos_id in committed)
-        timer.mark("accept")
-    new = tokens[len(prompt):][:max_new_tokens]
-    if stop_at_eos and eos_id is not None and eos_id in new:
-        new = new[: new.index(eos_id) + 1]
-    stats.new_tokens = len(new)
-    stats.drafter_forwards = drafter.forwards - forwards0
-    stats.wall_s = time.perf_counter() - t0
-    return Generation(new, stats)

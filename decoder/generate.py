@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoder.config import DecodeConfig
-from decoder.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from decoder.config import FEATURE_DRAFTERS, DecodeConfig
+from decoder.dcut import DCutDrafter
+from decoder.drafters import DraftModelDrafter, NgramDrafter
+from decoder.lean import LeanLM, StaticLeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
+from decoder.proposer import Draft, Proposer, Verdict
 from decoder.runners import HFRunner, as_runner, crop_cache  # noqa: F401 (re-exported)
+from decoder.tree import TreeDrafter, TwoLevelDrafter, tree_accept, tree_attention_mask, tree_positions
 from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
 
 
@@ -79,79 +83,112 @@ def ar_generate(target, prompt: list[int], cfg: DecodeConfig, profile_sync: bool
     return Generation(new, stats)
 
 
-def make_drafter(cfg: DecodeConfig, drafter_model=None, device: torch.device | str = "cpu",
-                 generator: torch.Generator | None = None) -> Drafter:
-    if cfg.drafter == "draft-model":
-        if drafter_model is None:
-            raise ValueError("drafter = 'draft-model' needs a draft model; pass --drafter DIR or use "
-                             "drafter = 'ngram'")
-        if cfg.dcut:
-            from decoder.dcut import DCutDrafter
+def make_proposer(cfg: DecodeConfig, drafter_model=None, device: torch.device | str = "cpu",
+                  generator: torch.Generator | None = None, heads=None, target=None) -> Proposer:
+    """The proposer cfg names: draft model (chain, D-cut, tree, two-level), n-gram lookup, or a feature
+    drafter (block, MTP) reading `target`'s hidden states through `heads` (decoder.featdraft.FeatureHeads)."""
+    if cfg.drafter in FEATURE_DRAFTERS:
+        if heads is None:
+            raise ValueError(f"drafter = {cfg.drafter!r} needs the target's feature drafters (FeatureHeads); "
+                             f"serve loads them from <target>/drafters")
+        return heads.state(cfg.drafter, target)
+    if cfg.drafter == "ngram":
+        return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
+    if drafter_model is None:
+        raise ValueError("drafter = 'draft-model' needs a draft model; pass --drafter DIR or use drafter = 'ngram'")
+    if cfg.verify == "tree":
+        return TreeDrafter.from_config(drafter_model, cfg)
+    if cfg.verify == "two-level":
+        return TwoLevelDrafter(drafter_model, cfg.two_level_alts)
+    if cfg.dcut:
+        return DCutDrafter(drafter_model, cfg.dcut_threshold, cfg.temperature, generator)
+    return DraftModelDrafter(drafter_model, cfg.temperature, generator)
 
-            return DCutDrafter(drafter_model, cfg.dcut_threshold, cfg.temperature, generator)
-        return DraftModelDrafter(drafter_model, cfg.temperature, generator)
-    return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
+
+make_drafter = make_proposer  # the name callers used before every drafter became a proposer
 
 
 @torch.inference_mode()
-def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: DecodeConfig,
+def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: DecodeConfig,
                          generator: torch.Generator | None = None, profile_sync: bool = False) -> Generation:
-    """Chain speculative decoding: draft k, verify k+1 positions in one target forward, accept, roll back.
+    """Speculative decoding, the one loop: draft, verify every draft node in one target forward, accept,
+    roll back.
 
-    Greedy (temperature 0) commits exactly the target's argmax sequence; temperature > 0 uses
-    lossless rejection sampling, seeded by `generator` (or cfg.seed).
+    The proposer's draft is a chain (verified causally, rolled back by a cache crop) or a tree (verified
+    under a tree mask, the accepted path compacted in the cache). Greedy (temperature 0) commits exactly
+    the target's argmax sequence; temperature > 0 uses lossless rejection sampling with the proposer's
+    probabilities (one-hot for a deterministic proposer), seeded by `generator` (or cfg.seed).
     """
     target = as_runner(target)
     device = target.device
     if cfg.temperature > 0 and generator is None:
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
-        if isinstance(drafter, DraftModelDrafter):
-            drafter.generator = generator
+        if isinstance(proposer, DraftModelDrafter):
+            proposer.generator = generator
     vocab = target.config.vocab_size
     stats = DecodeStats()
     timer = PhaseTimer(stats, device, profile_sync)
     t0 = time.perf_counter()
     eos = _eos_id(target)
     cache = target.new_cache()
+    capture = proposer.capture
+    hook = {"capture": capture} if capture else {}
+    forwards0, alts0 = proposer.forwards, proposer.alternatives_accepted
+    depth = proposer.depth or cfg.draft_len
 
     # Prefill: the prompt's KV and the first new token.
-    logits = target.forward(torch.tensor(prompt, device=device), cache, last_only=True)  # [1, V]
+    out = target.forward(torch.tensor(prompt, device=device), cache, last_only=True, **hook)  # [1, V]
+    logits, hidden = out if capture else (out, None)
     tokens = list(prompt)
     tokens.append(int(_select(logits, cfg, generator).item()))
     stats.target_forwards += 1
     stats.target_tokens += len(prompt)
-    drafter.reset(prompt)
+    proposer.reset(prompt, hidden)
     timer.mark("prefill")
 
     new, done = _finish(tokens[len(prompt):], cfg, eos)
     while not done:
         remaining = cfg.max_new_tokens - (len(tokens) - len(prompt))
-        k = min(cfg.draft_len, remaining - 1) if remaining > 1 else 0
-        if k > 0:
-            draft, draft_probs = drafter.draft(tokens, k)
-        else:
-            draft, draft_probs = torch.empty(0, dtype=torch.long, device=device), None
-        k = draft.shape[0]
+        k = min(depth, remaining - 1) if remaining > 1 else 0
+        draft = proposer.propose(tokens, k) if k > 0 else Draft(torch.empty(0, dtype=torch.long, device=device))
+        tree = draft.tree
+        k = draft.size
         timer.mark("draft")
 
-        inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft])  # [k+1]
-        logits = target.forward(inp, cache)  # [k+1, V]
+        start = cache.get_seq_length()  # the last committed token's slot
+        inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft.tokens])  # [1 + N]
+        if tree is None:
+            out = target.forward(inp, cache, **hook)  # [1 + k, V]
+        else:
+            out = target.forward(inp, cache, positions=tree_positions(tree.depth, start),
+                                 attn_mask=tree_attention_mask(tree.anc, start), **hook)
+        logits, hidden = out if capture else (out, None)
         stats.target_forwards += 1
         stats.target_tokens += inp.shape[0]
         timer.mark("verify")
 
-        if cfg.temperature > 0:
-            if draft_probs is None:  # deterministic drafter: q is one-hot
-                draft_probs = torch.nn.functional.one_hot(draft, vocab).float()
-            result = rejection_accept(logits, draft, draft_probs, cfg.temperature, generator)
+        if tree is not None:
+            if cfg.temperature > 0:
+                raise ValueError("tree drafts verify greedily only; set temperature = 0 or verify = 'chain'")
+            n, committed, path, fed = tree_accept(logits, tree)
+            cache.compact(start, torch.tensor([0] + [p + 1 for p in path], device=device))
+            rows = hidden[[0] + [p + 1 for p in path]] if capture else None
         else:
-            result = greedy_accept(logits, draft)
-        result = result.tolist()  # the step's one device-to-host copy
-        n = result[0]
-        committed = result[1 : n + 2]
-        crop_cache(cache, len(tokens) + n)  # keep the last committed token and the n accepted drafts
+            if cfg.temperature > 0:
+                probs = draft.probs
+                if probs is None:  # deterministic proposer: q is one-hot
+                    probs = torch.nn.functional.one_hot(draft.tokens, vocab).float()
+                result = rejection_accept(logits, draft.tokens, probs, cfg.temperature, generator)
+            else:
+                result = greedy_accept(logits, draft.tokens)
+            result = result.tolist()  # the step's one device-to-host copy
+            n = result[0]
+            committed = result[1 : n + 2]
+            path, fed = list(range(n)), []
+            crop_cache(cache, len(tokens) + n)  # keep the last committed token and the n accepted drafts
+            rows = hidden[: n + 1] if capture else None
         tokens.extend(committed)
-        drafter.commit(tokens, n)
+        proposer.accepted(tokens, Verdict(n, path, fed, rows))
         if k > 0:
             stats.draft_steps += 1
             stats.drafted += k
@@ -162,7 +199,8 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], cfg: Decod
 
     new, _ = _finish(tokens[len(prompt):], cfg, eos)
     stats.new_tokens = len(new)
-    stats.drafter_forwards = getattr(drafter, "forwards", 0)
+    stats.drafter_forwards = proposer.forwards - forwards0
+    stats.alternatives_accepted = proposer.alternatives_accepted - alts0
     stats.wall_s = time.perf_counter() - t0
     return Generation(new, stats)
 
@@ -196,8 +234,6 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         apply_w12(target)  # in place: the caller's target now holds 12-bit weights
         target._specpilot_w12 = True
     if cfg.lean_forward:
-        from decoder.lean import LeanLM, StaticLeanLM
-
         def lean(m):
             # Built once per model and kept: fusing the projections copies every weight.
             per_model = _LEAN.setdefault(m, {})
@@ -209,22 +245,6 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         drafter_model = lean(drafter_model) if drafter_model is not None else None
     if cfg.method == "ar":
         return ar_generate(target, prompt, cfg, profile_sync)
-    if cfg.verify != "chain":  # validate() guarantees greedy, lean target and a draft model
-        from decoder.tree import tree_generate, two_level_generate
-
-        if drafter_model is None:
-            raise ValueError(f"verify = {cfg.verify!r} needs a draft model; pass --drafter DIR")
-        loop = tree_generate if cfg.verify == "tree" else two_level_generate
-        return loop(target, drafter_model, prompt, cfg, profile_sync)
-    if cfg.drafter in ("block", "mtp"):  # validate() guarantees the lean forward and greedy chain verify
-        if heads is None:
-            raise ValueError(f"drafter = {cfg.drafter!r} needs the target's feature drafters (FeatureHeads); "
-                             f"serve loads them from <target>/drafters")
-        from decoder.featdraft import feature_generate
-
-        eos = _eos_id(target)
-        return feature_generate(target, heads.state(cfg.drafter, target), prompt, cfg.max_new_tokens,
-                                cfg.draft_len, eos, cfg.stop_at_eos, profile_sync)
     device = as_runner(target).device
-    drafter = make_drafter(cfg, drafter_model, device)
-    return speculative_generate(target, drafter, prompt, cfg, profile_sync=profile_sync)
+    proposer = make_proposer(cfg, drafter_model, device, heads=heads, target=target)
+    return speculative_generate(target, proposer, prompt, cfg, profile_sync=profile_sync)

@@ -30,14 +30,13 @@ Both are greedy (temperature 0) and need the lean forward for target and drafter
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from decoder.config import DecodeConfig, parse_tree_shape
 from decoder.lean import LeanCache, LeanLM
-from decoder.profiler import DecodeStats, PhaseTimer
+from decoder.proposer import Draft, Proposer, Verdict
 
 
 @dataclass
@@ -105,14 +104,36 @@ def greedy_tree_accept(logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     return torch.cat([n.view(1), bonus.view(1), path, tokens])
 
 
-class TreeDrafter:
-    """A lean draft model that grows draft trees level by level, one batched forward per depth, and keeps
-    its own cache equal to the committed sequence's prefix (accepted tree rows compacted in place)."""
+def tree_accept(logits: torch.Tensor, tree: DraftTree) -> tuple[int, list[int], list[int], list[int]]:
+    """Greedy acceptance of a verified tree with the step's one device-to-host copy.
 
-    def __init__(self, model: LeanLM) -> None:
+    logits: [1 + N, V] at (root, nodes). Returns (n accepted nodes, committed tokens (path + bonus),
+    path node indices in depth order, drafter cache slots of the fed path nodes).
+    """
+    m = tree.size
+    res = greedy_tree_accept(logits, tree)
+    fed = torch.cat([tree.fed, tree.fed.new_full((1,), -1)])[res[2 : 2 + m]]
+    out = torch.cat([res, fed]).tolist()  # the step's one device-to-host copy
+    n, bonus = out[0], out[1]
+    return n, [*out[2 + m : 2 + m + n], bonus], out[2 : 2 + n], [s for s in out[2 + 2 * m : 2 + 2 * m + n] if s >= 0]
+
+
+class TreeDrafter(Proposer):
+    """A lean draft model that grows draft trees level by level, one batched forward per depth, and keeps
+    its own cache equal to the committed sequence's prefix (accepted tree rows compacted in place).
+
+    As a proposer it grows the config's tree (`tree_spec`): `kind` "static" (width = children per depth)
+    or "dynamic" (width = top-k expanded per depth, each with top-k children, then the `budget` most
+    confident nodes kept)."""
+
+    name = "tree"
+
+    def __init__(self, model: LeanLM, kind: str = "dynamic", width: int | tuple[int, ...] = 4, depth: int = 3,
+                 budget: int | None = None) -> None:
         if not isinstance(model, LeanLM):
             raise TypeError("tree drafting runs on the lean forward: pass a LeanLM draft model")
         self.model = model
+        self.kind, self.width, self.depth, self.budget = kind, width, depth, budget
         self.device = model.device
         self.cache: LeanCache = model.new_cache()
         self.cache_len = 0  # committed tokens whose KV the cache holds (a prefix of the sequence)
@@ -120,9 +141,24 @@ class TreeDrafter:
         self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._iota = torch.arange(1024, device=self.device)
 
-    def reset(self) -> None:
+    @classmethod
+    def from_config(cls, model: LeanLM, cfg: DecodeConfig) -> TreeDrafter:
+        kind, width, depth = tree_spec(cfg)
+        return cls(model, kind, width, depth, cfg.tree_budget)
+
+    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         self.cache.length = 0
         self.cache_len = 0
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        tree = self.grow(tokens, k, self.kind, self.width)
+        if self.kind == "dynamic" and self.budget is not None and tree.size > self.budget:
+            keep = torch.sort(-tree.score, stable=True).indices[: self.budget].sort().values
+            tree = tree.select(keep)
+        return Draft(tree.tokens, tree=tree)
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        self.keep_path(verdict.fed)
 
     @torch.inference_mode()
     def grow(self, tokens: list[int], depth: int, kind: str, width: int | tuple[int, ...]) -> DraftTree:
@@ -212,101 +248,12 @@ class TreeDrafter:
         self.cache_len = self.cache.length
 
 
-def _verify_tree(target: LeanLM, cache: LeanCache, root: int, tree: DraftTree, stats: DecodeStats,
-                 timer: PhaseTimer) -> tuple[int, list[int], list[int], list[int]]:
-    """One target forward over (root, tree), greedy acceptance, the accepted path compacted in the cache.
-
-    Returns (n accepted nodes, committed tokens (path + bonus), path node indices, drafter slots of the
-    fed path nodes); the step's one device-to-host copy happens here.
-    """
-    start = cache.length  # the root's slot
-    ids = torch.cat([torch.tensor([root], device=target.device), tree.tokens])
-    logits = target.forward(ids, cache, positions=tree_positions(tree.depth, start),
-                            attn_mask=tree_attention_mask(tree.anc, start))  # [1 + N, V]
-    stats.target_forwards += 1
-    stats.target_tokens += ids.shape[0]
-    timer.mark("verify")
-    m = tree.size
-    res = greedy_tree_accept(logits, tree)
-    fed = torch.cat([tree.fed, tree.fed.new_full((1,), -1)])[res[2 : 2 + m]]
-    out = torch.cat([res, fed]).tolist()  # the step's one device-to-host copy
-    n, bonus = out[0], out[1]
-    path = out[2 : 2 + n]
-    cache.compact(start, torch.tensor([0] + [p + 1 for p in path], device=target.device))
-    return n, [*out[2 + m : 2 + m + n], bonus], path, [s for s in out[2 + 2 * m : 2 + 2 * m + n] if s >= 0]
-
-
-def _finish(new: list[int], cfg: DecodeConfig, eos_id: int | None) -> tuple[list[int], bool]:
-    from decoder.generate import _finish as finish
-
-    return finish(new, cfg, eos_id)
-
-
-def _prefill(target: LeanLM, prompt: list[int], stats: DecodeStats) -> tuple[LeanCache, list[int]]:
-    cache = target.new_cache()
-    logits = target.forward(torch.tensor(prompt, device=target.device), cache, last_only=True)  # [1, V]
-    stats.target_forwards += 1
-    stats.target_tokens += len(prompt)
-    return cache, [*prompt, int(logits.argmax(dim=-1).item())]
-
-
-def _eos(target: LeanLM) -> int | None:
-    eos = target.config.eos_token_id
-    return eos[0] if isinstance(eos, list) else eos
-
-
 def tree_spec(cfg: DecodeConfig) -> tuple[str, int | tuple[int, ...], int]:
     """(kind, width, depth) of the config's tree: static widths or dynamic top-k."""
     widths = parse_tree_shape(cfg.tree_shape)
     if widths is None:
         return "dynamic", cfg.tree_topk, cfg.tree_depth
     return "static", widths, len(widths)
-
-
-@torch.inference_mode()
-def tree_generate(target: LeanLM, drafter: LeanLM, prompt: list[int], cfg: DecodeConfig,
-                  profile_sync: bool = False) -> object:
-    """Greedy SD with tree verification (see the module docstring): commits the target's argmax sequence."""
-    from decoder.generate import Generation
-
-    stats = DecodeStats()
-    timer = PhaseTimer(stats, target.device, profile_sync)
-    t0 = time.perf_counter()
-    eos = _eos(target)
-    kind, width, max_depth = tree_spec(cfg)
-    cache, tokens = _prefill(target, prompt, stats)
-    tdraft = TreeDrafter(drafter)
-    timer.mark("prefill")
-    _, done = _finish(tokens[len(prompt):], cfg, eos)
-    while not done:
-        remaining = cfg.max_new_tokens - (len(tokens) - len(prompt))
-        depth = min(max_depth, remaining - 1)
-        if depth < 1:  # one token left: a plain target step
-            logits = target.forward(torch.tensor(tokens[-1:], device=target.device), cache, last_only=True)
-            committed = [int(logits.argmax(dim=-1).item())]
-            stats.target_forwards += 1
-            stats.target_tokens += 1
-        else:
-            tree = tdraft.grow(tokens, depth, kind, width)
-            if kind == "dynamic" and tree.size > cfg.tree_budget:
-                keep = torch.sort(-tree.score, stable=True).indices[: cfg.tree_budget].sort().values
-                tree = tree.select(keep)
-            timer.mark("draft")
-            n, committed, _, fed_rows = _verify_tree(target, cache, tokens[-1], tree, stats, timer)
-            tdraft.keep_path(fed_rows)
-            m = tree.size
-            stats.draft_steps += 1
-            stats.drafted += m
-            stats.accepted += n
-            stats.accept_hist[n] += 1
-        tokens.extend(committed)
-        done = len(tokens) - len(prompt) >= cfg.max_new_tokens or (cfg.stop_at_eos and eos in committed)
-        timer.mark("accept")
-    new, _ = _finish(tokens[len(prompt):], cfg, eos)
-    stats.new_tokens = len(new)
-    stats.drafter_forwards = tdraft.forwards
-    stats.wall_s = time.perf_counter() - t0
-    return Generation(new, stats)
 
 
 _COMB: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -335,57 +282,48 @@ def comb_tree(main: torch.Tensor, alts: torch.Tensor) -> DraftTree:
                      torch.ones(n, device=main.device), torch.full((n,), -1, dtype=torch.long, device=main.device), 0)
 
 
-@torch.inference_mode()
-def two_level_generate(target: LeanLM, drafter: LeanLM, prompt: list[int], cfg: DecodeConfig,
-                       profile_sync: bool = False) -> object:
-    """Greedy SD with two-level verification (see the module docstring): commits the target's argmax sequence."""
-    from decoder.generate import Generation
+class TwoLevelDrafter(Proposer):
+    """Two-level verification's proposer (see the module docstring): the draft model's top-1 chain plus,
+    beside every chain node, its next `alts` tokens, drafted with k plain one-token forwards."""
 
-    stats = DecodeStats()
-    timer = PhaseTimer(stats, target.device, profile_sync)
-    t0 = time.perf_counter()
-    eos = _eos(target)
-    dev = target.device
-    a = cfg.two_level_alts
-    cache, tokens = _prefill(target, prompt, stats)
-    dcache = drafter.new_cache()
-    dlen = 0  # committed tokens whose KV the drafter's cache holds
-    timer.mark("prefill")
-    _, done = _finish(tokens[len(prompt):], cfg, eos)
-    while not done:
-        remaining = cfg.max_new_tokens - (len(tokens) - len(prompt))
-        k = min(cfg.draft_len, remaining - 1)
-        if k < 1:  # one token left: a plain target step
-            logits = target.forward(torch.tensor(tokens[-1:], device=dev), cache, last_only=True)
-            committed = [int(logits.argmax(dim=-1).item())]
-            stats.target_forwards += 1
-            stats.target_tokens += 1
-        else:
-            # Level 1 and level 2 from the same k one-token drafter forwards: top-1 is the chain, the next a
-            # are the alternatives.
-            dcache.length = dlen
-            inp = torch.tensor(tokens[dlen:], device=dev)
-            top = []
-            for _ in range(k):
-                logits = drafter.forward(inp, dcache, last_only=True)  # [1, V]
-                top.append(logits.topk(1 + a, dim=-1).indices)  # [1, 1 + a]
-                inp = top[-1][0, :1]
-            stats.drafter_forwards += k
-            top_t = torch.cat(top)  # [k, 1 + a]
-            tree = comb_tree(top_t[:, 0], top_t[:, 1:])
-            timer.mark("draft")
-            n, committed, path, _ = _verify_tree(target, cache, tokens[-1], tree, stats, timer)
-            on_chain = n if n == 0 or path[-1] < k else n - 1  # the path ends in an alternative or not
-            stats.alternatives_accepted += n - on_chain
-            dlen = len(tokens) + min(on_chain, k - 1)  # the drafter fed the chain's first k - 1 nodes
-            stats.draft_steps += 1
-            stats.drafted += tree.size
-            stats.accepted += n
-            stats.accept_hist[n] += 1
-        tokens.extend(committed)
-        done = len(tokens) - len(prompt) >= cfg.max_new_tokens or (cfg.stop_at_eos and eos in committed)
-        timer.mark("accept")
-    new, _ = _finish(tokens[len(prompt):], cfg, eos)
-    stats.new_tokens = len(new)
-    stats.wall_s = time.perf_counter() - t0
-    return Generation(new, stats)
+    name = "two-level"
+
+    def __init__(self, model: LeanLM, alts: int, depth: int | None = None) -> None:
+        if not isinstance(model, LeanLM):
+            raise TypeError("two-level drafting runs on the lean forward: pass a LeanLM draft model")
+        self.model = model
+        self.alts = alts
+        self.depth = depth
+        self.cache: LeanCache = model.new_cache()
+        self.cache_len = 0  # committed tokens whose KV the drafter's cache holds
+        self.forwards = 0
+        self.alternatives_accepted = 0
+        self._k = 0
+
+    def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        self.cache.length = 0
+        self.cache_len = 0
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        # Level 1 and level 2 from the same k one-token drafter forwards: top-1 is the chain, the next
+        # `alts` are the alternatives.
+        self.cache.length = self.cache_len
+        inp = torch.tensor(tokens[self.cache_len:], device=self.model.device)
+        top = []
+        for _ in range(k):
+            logits = self.model.forward(inp, self.cache, last_only=True)  # [1, V]
+            top.append(logits.topk(1 + self.alts, dim=-1).indices)  # [1, 1 + a]
+            inp = top[-1][0, :1]
+        self.forwards += k
+        self._k = k
+        top_t = torch.cat(top)  # [k, 1 + a]
+        tree = comb_tree(top_t[:, 0], top_t[:, 1:])
+        return Draft(tree.tokens, tree=tree)
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        n, k = verdict.n, self._k
+        on_chain = n if n == 0 or verdict.path[-1] < k else n - 1  # the path ends in an alternative or not
+        self.alternatives_accepted += n - on_chain
+        before = len(tokens) - n - 1
+        self.cache_len = before + min(on_chain, k - 1)  # the drafter fed the chain's first k - 1 nodes

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from decoder.bench import first_divergence, top2_margin
 from decoder.config import ConfigError, DecodeConfig
@@ -20,18 +21,23 @@ from decoder.featdraft import (
     MTPHeads,
     MTPState,
     drafters_dir,
-    feature_generate,
     load_feature_drafter,
     save_feature_drafter,
 )
-from decoder.generate import ar_generate, generate
+from decoder.generate import ar_generate, generate, speculative_generate
 from decoder.lean import LeanLM
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
+from decoder.proposer import Draft, Proposer
 
 TRAINED = drafters_dir(DEMO_DIR / "target")
 # Twice the demo target's bf16 noise floor (0.125: the largest logit difference between one-token and
 # multi-token forwards, `specpilot bench`): a divergence at a smaller top-2 margin is a numerical near tie.
 NEAR_TIE = 0.25
+
+
+def _cfg(k: int, **kw) -> DecodeConfig:
+    """The loop's settings for a feature drafter handed in directly: 40 tokens, draft length k."""
+    return DecodeConfig(max_new_tokens=40, draft_len=k, stop_at_eos=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +83,9 @@ def untrained(target):
 @pytest.mark.parametrize("k", range(1, 17))
 def test_block_and_mtp_drafters_are_lossless_for_every_block_size(k, target, lean, prompts, references, untrained):
     block, mtp = untrained
-    eos = lean.config.eos_token_id
     for prompt, ref in zip(prompts, references, strict=True):
         for state in (BlockState(block, lean.embed, lean.lm_head), MTPState(mtp, lean.embed, lean.lm_head)):
-            g = feature_generate(lean, state, prompt, 40, k, eos, stop_at_eos=False)
+            g = speculative_generate(lean, state, prompt, _cfg(k))
             pos = first_divergence(g.tokens, ref)
             # bf16: a k-wide verify may round a near tie the other way (measured: k = 15 and 16 diverge from
             # AR at position 18 of the code context, top-2 margin 0.0625, one bf16 step at that magnitude)
@@ -94,25 +99,26 @@ def test_block_and_mtp_drafters_are_lossless_for_every_block_size(k, target, lea
 def test_drafts_that_are_always_right_are_all_accepted(lean, prompts, references):
     """A drafter that proposes the reference continuation is accepted in full: tau = k + 1 per step."""
 
-    class Oracle:
+    class Oracle(Proposer):
+        """Reads the verify forward's hidden states (to count accepted positions) and drafts the reference."""
+
         capture = (5,)
-        forwards = 0
 
         def __init__(self, ref, start):
             self.ref, self.start, self.pos = ref, start, 0
 
-        def reset(self):
-            self.pos = 0
+        def reset(self, prompt, hidden=None):
+            self.pos = hidden.shape[0]
 
-        def extend(self, feats):
-            self.pos += feats.shape[0]
+        def accepted(self, tokens, verdict):
+            self.pos += verdict.hidden.shape[0]
 
-        def draft(self, last, k):
-            i = self.pos - self.start + 1  # index in ref of the token after `last`
-            return torch.tensor(self.ref[i : i + k], dtype=torch.long)
+        def propose(self, tokens, k):
+            i = self.pos - self.start + 1  # index in ref of the token after the last committed one
+            return Draft(torch.tensor(self.ref[i : i + k], dtype=torch.long))
 
     prompt, ref = prompts[0], references[0]
-    g = feature_generate(lean, Oracle(ref, len(prompt)), prompt, 40, 4, None, stop_at_eos=False)
+    g = speculative_generate(lean, Oracle(ref, len(prompt)), prompt, _cfg(4))
     assert g.tokens == ref
     assert g.stats.accepted == g.stats.drafted  # every draft token accepted
     assert g.stats.target_forwards == 1 + 8  # prefill, then 39 tokens in steps of 5 (4 + bonus)
@@ -123,7 +129,7 @@ def test_drafts_that_are_always_right_are_all_accepted(lean, prompts, references
 def test_trained_demo_drafters_are_lossless_and_accept_drafts(kind, target, lean, prompts, references):
     heads = FeatureHeads(TRAINED, target.config, torch.bfloat16, torch.device("cpu"))
     for prompt, ref in zip(prompts, references, strict=True):
-        g = feature_generate(lean, heads.state(kind, lean), prompt, 40, 4, None, stop_at_eos=False)
+        g = speculative_generate(lean, heads.state(kind, lean), prompt, _cfg(4))
         assert g.tokens == ref
         # Trained: above AR's 1.0. Measured with the committed drafters (code, prose context): block 1.176,
         # 1.379; MTP 1.25, 1.481. The bar keeps >= 10% of the smallest.
@@ -151,12 +157,50 @@ def test_generate_dispatches_block_mtp_and_routed(target, prompts, references, u
 def test_config_names_what_a_feature_drafter_needs():
     with pytest.raises(ConfigError, match="lean_forward = True"):
         DecodeConfig(drafter="block")
-    with pytest.raises(ConfigError, match="temperature"):
-        DecodeConfig(drafter="mtp", lean_forward=True, temperature=0.7)
+    with pytest.raises(ConfigError, match="verify = 'chain'"):
+        DecodeConfig(drafter="mtp", lean_forward=True, verify="tree")
+    assert DecodeConfig(drafter="mtp", lean_forward=True, temperature=0.7).temperature == 0.7  # sampled: allowed
     with pytest.raises(ConfigError, match="route_code"):
         DecodeConfig(drafter="routed", lean_forward=True, route_code="medusa")
     cfg = DecodeConfig(drafter="routed", lean_forward=True, route_prose="ngram")
     assert DecodeConfig.from_toml(cfg.to_toml()) == cfg
+
+
+@pytest.mark.parametrize("kind", ["block", "mtp"])
+def test_sampled_feature_drafters_follow_the_target_distribution(kind):
+    """Feature drafters run sampled through the one loop (rejection sampling, one-hot q): the second token,
+    which passes through verification, follows the target's exact marginal (enumerated, 16-token vocabulary)."""
+    target = tiny_llama(seed=0)
+    lean = LeanLM(target, max_len=64)
+    torch.manual_seed(5)
+    if kind == "block":
+        model = BlockDrafter(BlockDrafterConfig(32, [0, 1], 16, num_heads=2, num_kv_heads=1, intermediate=64,
+                                                block_size=4, max_position=64)).eval()
+        state = BlockState(model, lean.embed, lean.lm_head, max_len=64)
+    else:
+        model = MTPHeads(MTPConfig(32, [1], 16, num_heads=2), target.model.norm.weight).eval()
+        with torch.no_grad():
+            model.w2.normal_(0, 0.3)
+        state = MTPState(model, lean.embed, lean.lm_head)
+    prompt = [3, 7, 1]
+    with torch.inference_mode():
+        # Temperature 3 flattens the sharp tiny target, so random drafts are sometimes accepted.
+        p0 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1] / 3, -1)
+        p1 = torch.softmax(target(input_ids=torch.tensor([prompt + [t] for t in range(16)])).logits[:, -1] / 3, -1)
+    exact = (p0[:, None] * p1).sum(0)  # [16] marginal of the second new token
+    cfg = DecodeConfig(max_new_tokens=3, temperature=3.0, draft_len=2, dtype="float32", stop_at_eos=False)
+    gen = torch.Generator().manual_seed(99)
+    counts, n, drafted, accepted = torch.zeros(16), 3000, 0, 0
+    for _ in range(n):
+        g = speculative_generate(lean, state, prompt, cfg, generator=gen)
+        counts[g.tokens[1]] += 1
+        drafted, accepted = drafted + g.stats.drafted, accepted + g.stats.accepted
+    assert 0 < accepted < drafted  # both branches of the rejection rule ran
+    expected = exact * n
+    mask = expected > 5
+    chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
+    dof = int(mask.sum()) - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~p < 0.001 for these dof
 
 
 def test_loading_checks_the_drafter_fits_the_target(target, untrained, tmp_path):

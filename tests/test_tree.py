@@ -14,11 +14,10 @@ from decoder.lean import LeanLM
 from decoder.tree import (
     DraftTree,
     TreeDrafter,
+    TwoLevelDrafter,
     greedy_tree_accept,
     tree_attention_mask,
-    tree_generate,
     tree_positions,
-    two_level_generate,
 )
 
 
@@ -170,15 +169,17 @@ def test_every_mechanism_lossless_on_random_trees_and_drafts():
                 assert g.tokens == ref, cfg
                 assert g.stats.tau >= 1.0
             # The loops called directly on lean models, as the bench does.
-            assert tree_generate(lt, ld, prompt, configs[1]).tokens == ref
-            assert two_level_generate(lt, ld, prompt, configs[2]).tokens == ref
+            assert speculative_generate(lt, TreeDrafter.from_config(ld, configs[1]), prompt, configs[1]).tokens == ref
+            assert speculative_generate(lt, TwoLevelDrafter(ld, configs[2].two_level_alts), prompt,
+                                        configs[2]).tokens == ref
 
 
 def test_chain_is_a_tree_of_width_one():
     target, draft = _tiny_pair(7)
     prompt = [3, 1, 4, 1, 5]
     chain = speculative_generate(LeanLM(target), DraftModelDrafter(LeanLM(draft)), prompt, _cfg(draft_len=3))
-    tree = tree_generate(LeanLM(target), LeanLM(draft), prompt, _cfg(verify="tree", tree_shape="1,1,1"))
+    tcfg = _cfg(verify="tree", tree_shape="1,1,1")
+    tree = speculative_generate(LeanLM(target), TreeDrafter.from_config(LeanLM(draft), tcfg), prompt, tcfg)
     assert tree.tokens == chain.tokens
     assert tree.stats.target_forwards == chain.stats.target_forwards
     assert dict(tree.stats.accept_hist) == dict(chain.stats.accept_hist)
@@ -199,7 +200,8 @@ def test_tree_drafter_cache_tracks_committed_sequence():
     TreeDrafter.keep_path = keep_path
     try:
         prompt = [2, 7, 1, 8, 2, 8]
-        out = tree_generate(lt, ld, prompt, _cfg(verify="tree", tree_topk=3, tree_depth=4, tree_budget=10)).tokens
+        cfg = _cfg(verify="tree", tree_topk=3, tree_depth=4, tree_budget=10)
+        out = speculative_generate(lt, TreeDrafter.from_config(ld, cfg), prompt, cfg).tokens
     finally:
         TreeDrafter.keep_path = orig
     assert seen

@@ -1,0 +1,48 @@
+"""Named decoding presets: the bench's methods as DecodeConfig overrides, run through the one loop.
+
+A preset is a set of DecodeConfig keys over a base config (the bench's draft length, token budget,
+dtype). `specpilot bench --methods sd-two-level` and a workspace whose system.toml holds the same keys
+run the same code with the same settings, so they give the same tokens and the same tau (a test).
+Where a preset leaves a key alone, DecodeConfig's default applies: the defaults of the tree, two-level
+and D-cut keys are the best measured on the demo (README), the bench's values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from decoder.config import DecodeConfig
+
+NGRAM_DRAFT_LEN = 8  # `specpilot bench --ngram-draft-len` default: lookup drafts are cheap, go long
+DCUT_MAX_LEN = 6  # sd-dcut's cap on a draft (the cut usually stops it earlier)
+BLOCK_DRAFT_LEN = 8
+MTP_DRAFT_LEN = 6
+
+PRESETS: dict[str, dict] = {
+    "ar": {"method": "ar"},
+    "sd-draft-model": {},
+    "sd-ngram": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN},
+    # Mechanism lean_forward: the same methods on decoder/lean.py's forward.
+    "ar-lean": {"method": "ar", "lean_forward": True},
+    "sd-draft-model-lean": {"lean_forward": True},
+    "sd-ngram-lean": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True},
+    # Mechanism weight_format = "w12".
+    "ar-w12": {"method": "ar", "weight_format": "w12"},
+    "sd-draft-model-w12": {"weight_format": "w12"},
+    "sd-ngram-w12": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "weight_format": "w12"},
+    # Mechanisms tree-verify, two-level-verify and d-cut.
+    "sd-tree": {"lean_forward": True, "verify": "tree"},
+    "sd-two-level": {"lean_forward": True, "verify": "two-level"},
+    "sd-dcut": {"lean_forward": True, "dcut": True, "draft_len": DCUT_MAX_LEN},
+    # Mechanisms block-drafter, mtp-heads and domain-routing.
+    "sd-block": {"lean_forward": True, "drafter": "block", "draft_len": BLOCK_DRAFT_LEN},
+    "sd-mtp": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN},
+    "sd-routed": {"lean_forward": True, "drafter": "routed", "draft_len": MTP_DRAFT_LEN},
+}
+
+
+def preset_config(name: str, base: DecodeConfig, **overrides: object) -> DecodeConfig:
+    """The DecodeConfig of preset `name` over `base`, with `overrides` (flags) applied last."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return dataclasses.replace(base, **{**PRESETS[name], **overrides})
