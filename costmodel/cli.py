@@ -13,6 +13,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment, demo_dir
+from costmodel.hardware import get_profile, save_profile
+from costmodel.model_profile import WEIGHT_FORMATS, load_model_profile
+from costmodel.report import build_report, format_table, plot_gaps
+from costmodel.step import DRAFTER_KINDS, Drafter
+
 if TYPE_CHECKING:
     from costmodel.deployment import CostDeployment
 
@@ -51,8 +57,6 @@ def _positive_float(text: str) -> float:
 
 def add_parser(subparsers) -> None:
     """Add the `costmodel` and `profile` subcommands to an argparse subparsers object."""
-    from costmodel.model_profile import WEIGHT_FORMATS
-    from costmodel.step import DRAFTER_KINDS
 
     c = subparsers.add_parser("costmodel", help="roofline ceilings and a ranked gap breakdown for a deployment")
     c.add_argument("--deployment", help="a named deployment: demo (its models on this machine's cpu-local profile)")
@@ -117,10 +121,6 @@ def _read_bench(path: str, method: str) -> tuple[dict, dict, float | None]:
 def build_deployment(args: argparse.Namespace, bench_entry: dict | None = None,
                      bench_dtype: str | None = None) -> CostDeployment:
     """The CostDeployment the flags describe (the demo's defaults, then each explicit flag)."""
-    from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment
-    from costmodel.hardware import get_profile
-    from costmodel.model_profile import load_model_profile
-    from costmodel.step import Drafter
 
     fmt = args.format or {"bfloat16": "bf16", "float32": "fp32"}.get(bench_dtype or "", "bf16")
     k = args.draft_len or (bench_entry or {}).get("draft_len") or DEMO_DRAFT_LEN
@@ -160,7 +160,6 @@ def build_deployment(args: argparse.Namespace, bench_entry: dict | None = None,
 
 def run_costmodel(args: argparse.Namespace) -> dict:
     """Everything `specpilot costmodel` does but printing: returns the JSON report."""
-    from costmodel.report import build_report, plot_gaps
 
     entry, ar_ms, num_prompts, dtype = None, None, None, None
     if args.bench:
@@ -177,7 +176,6 @@ def run_costmodel(args: argparse.Namespace) -> dict:
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
     """Handler of `specpilot costmodel`: table (or --json) on stdout; 2 on a user error."""
-    from costmodel.report import format_table
 
     try:
         report = run_costmodel(args)
@@ -189,7 +187,6 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
 
 def _demo_target() -> str | None:
     """The demo target's directory when it is trained (the model `profile hardware` validates on)."""
-    from costmodel.deployment import demo_dir
 
     try:
         target = demo_dir() / "target"
@@ -200,7 +197,7 @@ def _demo_target() -> str | None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of `specpilot profile hardware`: measures, stores, prints a summary; 2 on a user error."""
-    from costmodel.hardware import measure_cpu_local_repeated, save_profile
+    from decoder.lab.hardware import measure_cpu_local_repeated
 
     if args.what != "hardware":
         return _fail(f"profile {args.what}: unknown; available: hardware")

@@ -1,11 +1,12 @@
 """A deployment as the cost model sees it: machine, target, drafter, draft length, regime.
 
 `demo_deployment()` describes the embedded demo (decoder/assets/demo) on this machine's measured
-`cpu-local` profile, with the bench's defaults (draft model, k = 4, one request).
+`cpu-local` profile, with the bench's defaults (draft model, k = 3, one request).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,8 @@ from costmodel.hardware import LOCAL, HardwareProfile, get_profile
 from costmodel.model_profile import ModelProfile, bytes_per_weight, load_model_profile
 from costmodel.step import Drafter
 
-DEMO_DRAFT_LEN = 4  # `specpilot bench --draft-len` default
+DEMO_DRAFT_LEN = 3  # `specpilot bench --draft-len` default (DecodeConfig's draft_len)
+MAX_ORACLE_DRAFT_LEN = 32  # the widest verify bucket of the lean forward
 DEMO_CONTEXT = 384  # demo prompts are ~300 tokens; 128 new tokens put the mean context near 384
 
 
@@ -49,8 +51,15 @@ class CostDeployment:
                        ar_ms_per_token=ar_ms_per_token, sd_overheads=sd_overheads)
 
     def oracle_ceiling(self) -> float:
-        """The highest lossless speedup this deployment allows (what `plausible` checks against)."""
+        """The highest lossless speedup at this deployment's draft length (what `plausible` checks against)."""
         return self.ceiling().speedup
+
+    def best_oracle_ceiling(self, max_draft_len: int = MAX_ORACLE_DRAFT_LEN) -> tuple[float, int]:
+        """The highest lossless speedup at any draft length up to `max_draft_len`, and that length: a bound
+        for every candidate whatever draft length or tree it runs (a tree that accepts d tokens per step
+        verifies at least the chain of those d tokens)."""
+        best = max((dataclasses.replace(self, draft_len=k).oracle_ceiling(), k) for k in range(1, max_draft_len + 1))
+        return best
 
 
 def demo_dir() -> Path:

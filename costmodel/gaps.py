@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from costmodel.hardware import HardwareProfile
 from costmodel.model_profile import ModelProfile
 from costmodel.step import Drafter, forward_time, sd_step
+from decoder.contract import GAP_FAMILIES
 
-FAMILIES = ("weights", "kv", "compute", "drafting", "acceptance", "batching", "host-overhead")
+FAMILIES = GAP_FAMILIES
 PHASES = ("prefill", "draft", "verify", "accept", "other")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -43,21 +44,64 @@ def static_tree_nodes(widths: tuple[int, ...]) -> int:
     return total
 
 
-def verify_width(cfg: DecodeConfig) -> int:
+def verify_width(cfg: DecodeConfig | Mapping) -> int:
     """Positions one target verify forward scores under `cfg` (1 for AR): the width the ceiling, the gaps
-    and the noise floor are computed at."""
-    if cfg.method == "ar":
+    and the noise floor are computed at. `cfg` may be a raw [decode] table (a candidate's, keys this schema
+    does not know included): a missing or malformed value reads as DecodeConfig's default."""
+    default = DecodeConfig.__dataclass_fields__
+
+    def get(key: str, kind: type):
+        v = cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+        return v if isinstance(v, kind) and not (kind is int and isinstance(v, bool)) else default[key].default
+
+    if get("method", str) == "ar":
         return 1
-    if cfg.verify == "tree":
-        widths = parse_tree_shape(cfg.tree_shape)
-        return 1 + (static_tree_nodes(widths) if widths is not None else cfg.tree_budget)
-    if cfg.verify == "two-level":
-        return 1 + cfg.draft_len * (1 + cfg.two_level_alts)
-    return 1 + cfg.draft_len
+    k = max(0, min(get("draft_len", int), 64))
+    if get("verify", str) == "tree":
+        try:
+            widths = parse_tree_shape(get("tree_shape", str))
+        except ValueError:
+            widths = None
+        return 1 + (static_tree_nodes(widths) if widths is not None else max(1, get("tree_budget", int)))
+    if get("verify", str) == "two-level":
+        return 1 + k * (1 + max(0, get("two_level_alts", int)))
+    return 1 + k
 
 
 class ConfigError(ValueError):
     """A config value a user wrote is invalid; the message names the key, the value and the fix."""
+
+
+def read_table(text: str) -> dict:
+    """The [decode] table of a config file as plain TOML values, every key kept (a system's own knobs
+    included: the workbench passes keys it does not know through to the system's code)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"decode config: not valid TOML ({e})") from None
+    table = data.get("decode", data)
+    if not isinstance(table, dict):
+        raise ConfigError("decode config: [decode] must be a table of keys")
+    return table
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"decode config: value {v!r} ({type(v).__name__}) cannot be written as a TOML scalar")
+
+
+def dump_table(table: dict) -> str:
+    """The [decode] TOML text of `table`: DecodeConfig's keys in its order, then any others sorted."""
+    order = {f.name: i for i, f in enumerate(fields(DecodeConfig))}
+    keys = sorted(table, key=lambda k: (k not in order, order.get(k, 0), k))
+    return "\n".join(["[decode]", *(f"{k} = {_toml_value(table[k])}" for k in keys)]) + "\n"
 
 
 @dataclass
@@ -170,28 +214,20 @@ class DecodeConfig:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
 
     def to_toml(self) -> str:
-        lines = ["[decode]"]
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool):
-                s = "true" if v else "false"
-            elif isinstance(v, (int, float)):
-                s = repr(v)
-            else:
-                s = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-            lines.append(f"{f.name} = {s}")
-        return "\n".join(lines) + "\n"
+        return dump_table(asdict(self))
 
     @classmethod
-    def from_toml(cls, text: str) -> DecodeConfig:
-        data = tomllib.loads(text)
-        table = data.get("decode", data)
+    def from_table(cls, table: dict, known_only: bool = False) -> DecodeConfig:
+        """A config from a [decode] table. `known_only` drops keys this schema does not know (a newer
+        system's knobs) instead of refusing them: for readers that need only the keys they know."""
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(table) - set(known))
-        if unknown:
+        if unknown and not known_only:
             raise ConfigError(f"decode config: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
         kwargs = {}
         for k, v in table.items():
+            if k not in known:
+                continue
             default = getattr(cls(), k) if k != "method" else "sd"
             if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
@@ -199,6 +235,10 @@ class DecodeConfig:
                 raise ConfigError(f"decode config: {k} = {v!r} should be of type {type(default).__name__}")
             kwargs[k] = v
         return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, text: str, known_only: bool = False) -> DecodeConfig:
+        return cls.from_table(read_table(text), known_only)
 
     @classmethod
     def load(cls, path: Path) -> DecodeConfig:

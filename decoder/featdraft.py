@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -404,7 +405,6 @@ def build_model(kind: str, cfg, target_final_norm: torch.Tensor | None = None) -
 
 def save_feature_drafter(model: nn.Module, out_dir: Path) -> None:
     """config.json and model.safetensors (bf16) of a block drafter or MTP heads, written atomically."""
-    import os
 
     from safetensors.torch import save_file
 

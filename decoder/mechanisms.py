@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 
 from decoder.config import FEATURE_NEEDS, DecodeConfig
 
-GAP_FAMILIES = ("weights", "kv", "compute", "drafting", "acceptance", "batching", "host-overhead")
-
 
 @dataclass(frozen=True)
 class Mechanism:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w12 import MAX_KERNEL_ROWS, W12Weight
+from kernels.w12_format import MAX_KERNEL_ROWS, W12Weight
 
 
 @triton.jit

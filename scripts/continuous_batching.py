@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decoder.batch_bench import format_stream_table, run_stream_bench  # noqa: E402
+from decoder.lab.batch_bench import format_stream_table, run_stream_bench  # noqa: E402
 from decoder.models import demo_deployment  # noqa: E402
 
 

@@ -17,7 +17,6 @@ commits on its own, so a failing one leaves the database at the version before i
 
 from __future__ import annotations
 
-import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +24,9 @@ from pathlib import Path
 
 import sqlite_utils
 from sqlite_utils import Migrations
+
+from decoder.contract import data_dir
+from store.migrations import MIGRATIONS, migration_names
 
 BUSY_TIMEOUT_S = 10.0
 MEMORY_FILE = "memory.db"
@@ -37,15 +39,6 @@ class StoreError(Exception):
 
 class NotFound(StoreError, LookupError):
     """No row with that id (or name) in this memory."""
-
-
-def data_dir() -> Path:
-    """Per-user data directory: `$SPECPILOT_DATA_DIR`, else `~/.local/share/specpilot`.
-
-    Same rule as `costmodel.hardware.data_dir` (store does not import costmodel; a test keeps them equal).
-    """
-    env = os.environ.get("SPECPILOT_DATA_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".local" / "share" / "specpilot"
 
 
 def global_memory_path() -> Path:
@@ -112,7 +105,6 @@ def transaction(db: sqlite_utils.Database) -> Iterator[sqlite_utils.Database]:
 
 def applied_migrations(db: sqlite_utils.Database, migrations: Migrations | None = None) -> list[str]:
     """Names of the migrations of this set already applied to `db`, in order."""
-    from store.migrations import MIGRATIONS
 
     return [m.name for m in (migrations or MIGRATIONS).applied(db)]
 
@@ -130,7 +122,6 @@ def migrate(db: sqlite_utils.Database, *, migrations: Migrations | None = None,
     Safe when several processes open the same file at once: each step re-reads what is pending
     under the write lock, so no migration runs twice.
     """
-    from store.migrations import MIGRATIONS, migration_names
 
     migrations = migrations or MIGRATIONS
     known = migration_names(migrations)

@@ -12,10 +12,11 @@ from collections.abc import Callable
 import sqlite_utils
 from sqlite_utils import Migrations
 
+from decoder.contract import GAP_FAMILIES
+
 SET_NAME = "specpilot.memory"
 
 # Gap families as costmodel.gaps.FAMILIES names them (store does not import costmodel; a test keeps them equal).
-GAP_FAMILIES = ("weights", "kv", "compute", "drafting", "acceptance", "batching", "host-overhead")
 EVALUATION_STATUSES = ("keep", "discard", "crash", "rejected")
 MECHANISM_STATUSES = ("candidate", "accepted", "rejected")
 

@@ -134,7 +134,7 @@ def test_batched_greedy_token_identical_fp32(demo_fp32, mixed_prompts, drafter):
 def test_batched_bf16_divergences_are_near_ties(demo_bf16, mixed_prompts):
     """bf16 batched SD (all mechanisms) against single-request greedy: any divergence sits where stock's
     top-2 margin is below twice the deployment's noise floor."""
-    from decoder.bench import first_divergence, noise_floor, top2_margin
+    from decoder.lab.bench import first_divergence, noise_floor, top2_margin
 
     target, draft_model = demo_bf16
     cfg = DecodeConfig(max_new_tokens=24, ragged_verify=True, load_aware_draft=True, continuous_batching=True)
@@ -237,7 +237,7 @@ def test_engine_rejects_bad_arguments():
 
 @needs_demo
 def test_batch_bench_report_contract(tmp_path):
-    from decoder.batch_bench import format_batch_table, run_batch_bench
+    from decoder.lab.batch_bench import format_batch_table, run_batch_bench
     from decoder.models import DEMO_DIR
 
     rows = [json.loads(x) for x in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines()[:3]]

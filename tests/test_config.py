@@ -31,7 +31,8 @@ def test_bad_values_name_key_and_value(text, needle):
 def test_registry_keys_are_config_keys_and_stock_is_default():
     from dataclasses import fields
 
-    from decoder.mechanisms import GAP_FAMILIES, REGISTRY, stock_config, validate_change
+    from decoder.contract import GAP_FAMILIES
+    from decoder.mechanisms import REGISTRY, stock_config, validate_change
 
     names = {f.name for f in fields(DecodeConfig)}
     stock = stock_config()
@@ -49,6 +50,6 @@ def test_registry_keys_are_config_keys_and_stock_is_default():
 
 def test_registry_families_match_cost_model():
     from costmodel.gaps import FAMILIES
-    from decoder.mechanisms import GAP_FAMILIES
+    from decoder.contract import GAP_FAMILIES
 
     assert tuple(GAP_FAMILIES) == tuple(FAMILIES)

@@ -210,7 +210,7 @@ def test_arithmetic_never_imports_torch():
 def test_measure_cpu_local_on_a_tiny_model(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from costmodel.hardware import measure_cpu_local
+    from decoder.lab.hardware import measure_cpu_local
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -235,7 +235,8 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_a_repeated_profile_keeps_the_quietest_run_with_its_evidence(tmp_path):
-    from costmodel.hardware import measure_cpu_local_repeated, profile_spread
+    from costmodel.hardware import profile_spread
+    from decoder.lab.hardware import measure_cpu_local_repeated
 
     hw = measure_cpu_local_repeated(None, seconds_budget=3.0, repeats=3, threads=1)
     runs = hw.measured["repeats"]

@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoder.bench import first_divergence, top2_margin
 from decoder.config import ConfigError, DecodeConfig
 from decoder.featdraft import (
     BlockDrafter,
@@ -25,6 +24,7 @@ from decoder.featdraft import (
     save_feature_drafter,
 )
 from decoder.generate import ar_generate, generate, speculative_generate
+from decoder.lab.bench import first_divergence, top2_margin
 from decoder.lean import LeanLM
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 from decoder.proposer import Draft, Proposer
@@ -236,7 +236,7 @@ def test_trained_router_separates_the_demo_prompt_sets():
 @pytest.fixture(scope="module")
 def token_cache(tmp_path_factory):
     """The corpus tokenised once for the training tests (a few seconds)."""
-    from decoder.train_drafter import corpus_streams
+    from decoder.lab.train_drafter import corpus_streams
 
     work = tmp_path_factory.mktemp("drafter-work")
     corpus_streams(DEMO_DIR / "target", work / "tokens", 3)
@@ -249,7 +249,7 @@ def test_training_resumes_to_the_same_weights(kind, token_cache, tmp_path):
 
     from safetensors.torch import load_file
 
-    from decoder.train_drafter import DrafterSpec, train_feature_drafter
+    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter
 
     spec = DrafterSpec(kind=kind, train_sequences=12, val_sequences=4, shard_size=8, prefix_len=24, gen_len=16,
                        steps=6, batch_size=2, anchors_per_seq=3, block_size=4, num_heads_mtp=3, intermediate=64,
@@ -277,7 +277,7 @@ def test_training_resumes_to_the_same_weights(kind, token_cache, tmp_path):
 def test_training_refuses_a_checkpoint_of_another_recipe(token_cache, tmp_path):
     import shutil
 
-    from decoder.train_drafter import DrafterSpec, train_feature_drafter
+    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter
 
     spec = DrafterSpec(kind="mtp", train_sequences=8, val_sequences=4, shard_size=8, prefix_len=24, gen_len=16,
                        steps=4, batch_size=2, anchors_per_seq=2, num_heads_mtp=2, warmup_steps=1)
@@ -319,7 +319,7 @@ def _prompt_file(tmp_path):
 @pytest.mark.skipif(not (TRAINED / "router.json").exists() or not (TRAINED / "block" / "config.json").exists(),
                     reason="demo feature drafters not trained")
 def test_bench_reports_feature_methods_lossless_with_routes(tmp_path):
-    from decoder.bench import run_bench
+    from decoder.lab.bench import run_bench
 
     report = run_bench(DEMO_DIR / "target", DEMO_DIR / "drafter", str(_prompt_file(tmp_path)), 24,
                        methods=("ar-lean", "sd-block", "sd-mtp", "sd-routed"), noise_prompts=2, progress=False)
@@ -336,7 +336,7 @@ def test_bench_reports_feature_methods_lossless_with_routes(tmp_path):
 
 
 def test_bench_without_feature_drafters_names_the_fix(tmp_path):
-    from decoder.bench import BenchError, FeatureSettings, run_bench
+    from decoder.lab.bench import BenchError, FeatureSettings, run_bench
 
     with pytest.raises(BenchError, match="train drafter"):
         run_bench(DEMO_DIR / "target", None, str(_prompt_file(tmp_path)), 4, methods=("sd-block",),

@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import needs_demo, tiny_llama
 
-from decoder.bench import first_divergence
 from decoder.config import DecodeConfig
 from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.generate import ar_generate, crop_cache, speculative_generate
+from decoder.lab.bench import first_divergence
 
 
 def _cfg(**kw) -> DecodeConfig:

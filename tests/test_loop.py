@@ -136,6 +136,34 @@ def test_config_conflicts_merge_key_by_key(ws):
     assert not wt2.status("--porcelain", "--untracked-files=no").strip()  # the failed merge was aborted cleanly
 
 
+def test_a_branch_that_adds_a_config_key_and_a_mechanism_behind_it_is_evaluated(ws, ceiling):
+    """What an LLM agent writes: a new DecodeConfig key, code behind it, the key set in system.toml. The
+    evaluator never reads the config with the installed schema, so the cascade runs the candidate's own."""
+    make_branch(ws, "new-knob", {
+        "decoder/config.py": ('    dtype: str = "bfloat16"\n',
+                              '    dtype: str = "bfloat16"\n    fast_path: bool = False  # lean forward, renamed\n'),
+        "decoder/generate.py": ('    if cfg.weight_format == "w12" and not',
+                                '    if cfg.fast_path:\n        cfg = dataclasses.replace(cfg, lean_forward=True)\n'
+                                '    if cfg.weight_format == "w12" and not'),
+        "system.toml": ('method = "sd"', 'method = "sd"\nfast_path = true'),
+    }, "fast_path: a new knob and the mechanism behind it")
+    head = ws.head("new-knob")
+    assert ws.config_at(head)["fast_path"] is True
+    att = evaluate(ws, "new-knob", ws.stock_commit, 1.3, ceiling)
+    stages = [e.stage for e in ws.memory.list_evaluations(ws.branch("new-knob").id)]
+    assert att.status in ("keep", "discard") and "forcing" in stages and "bench" in stages, (att.reason, stages)
+    assert not att.reason.startswith("forcing:"), att.reason  # lossless: the candidate's code ran with its key
+    # Everything that reads a base with that key: directions for the tuner, the key-wise merge.
+    bd = {"families": {"drafting": 1.0}, "gaps": []}
+    assert Loop(ws, LoopOptions(agents=1, use_global_memory=False)).directions(bd, set(), head)
+    make_branch(ws, "knob-and-k", {"system.toml": ("draft_len = 3", "draft_len = 4")}, "k=4")
+    ws.create_branch("knob-merge", base=head)
+    ok, why = merge_branch(ws.worktree_git("knob-merge"), "knob-and-k", "system.toml")
+    assert ok, why
+    text = (ws.worktree_path("knob-merge") / "system.toml").read_text()
+    assert "fast_path = true" in text and "draft_len = 4" in text
+
+
 def test_headless_never_imports_textual():
     code = ("import sys, workbench.tui_entry as t, workbench.loop, workbench.agents.tuner\n"
             "rc = t.main(['--auto', '--workspace', '/nonexistent/ws'])\n"

@@ -7,7 +7,7 @@ import torch
 from conftest import needs_demo
 
 import decoder.generate as generate_mod
-from decoder.bench import run_bench
+from decoder.lab.bench import run_bench
 from decoder.models import DEMO_DIR
 
 pytestmark = needs_demo

@@ -10,9 +10,9 @@ import subprocess
 import pytest
 from conftest import needs_demo
 
-from decoder.bench import Bench, FeatureSettings, TreeSettings
 from decoder.config import DecodeConfig, verify_width
 from decoder.featdraft import FeatureHeads, drafters_dir
+from decoder.lab.bench import Bench, FeatureSettings, TreeSettings
 from decoder.models import DEMO_DIR
 from decoder.presets import NGRAM_DRAFT_LEN, PRESETS, preset_config
 from workbench.workspace import init_demo

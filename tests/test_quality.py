@@ -4,8 +4,7 @@ import json
 
 from conftest import needs_demo
 
-from decoder.models import DEMO_DIR
-from decoder.quality import (
+from decoder.lab.quality import (
     GATE_DTYPE,
     GATE_THREADS,
     QUALITY_BAR,
@@ -13,6 +12,7 @@ from decoder.quality import (
     continuation_quality,
     repeated_ngram_fraction,
 )
+from decoder.models import DEMO_DIR
 
 
 def test_repeated_ngram_fraction():

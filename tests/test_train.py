@@ -5,9 +5,9 @@ import json
 import numpy as np
 import torch
 
-from decoder.corpus import code_documents, make_prompt, prose_documents, split_of
+from decoder.lab.corpus import code_documents, make_prompt, prose_documents, split_of
+from decoder.lab.train import LMSpec, train_lm, train_tokenizer
 from decoder.models import DEMO_DIR
-from decoder.train import LMSpec, train_lm, train_tokenizer
 
 
 def test_split_is_stable_and_prompts_are_held_out():
@@ -28,14 +28,14 @@ def test_make_prompt_ends_on_line_boundary():
 
 
 def test_training_resumes_to_the_same_weights(tmp_path):
-    from decoder.corpus import Document
+    from decoder.lab.corpus import Document
 
     docs = [Document(f"d{i}", "code", f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 20) for i in range(200)]
     docs = [d for d in docs if split_of(d.id, "code") == "train"][:60] + [
         d for d in docs if split_of(d.id, "code") == "val"]
     tok_dir = tmp_path / "tok"
     train_tokenizer(docs, 300, tok_dir)
-    from decoder.train import tokenize_corpus
+    from decoder.lab.train import tokenize_corpus
 
     data = tokenize_corpus(docs, tok_dir, tmp_path / "tokens", 1)
     spec = LMSpec(name="tiny", hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from costmodel.ceiling import plausible
 from workbench.forcing import force, run_system, stock_reference, timed_output_problem
 from workbench.harness import SystemCrash
 from workbench.measure import PairResult, TimedOutputWrong, load_prompts, paired_bench
@@ -101,7 +102,6 @@ def noise_floor(ws: Workspace, base: str, *, progress: Callable[[str], None] | N
 def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float, ceiling: float, *,
              min_gain: float = 1.02, progress: Callable[[str], None] | None = None) -> Attempt:
     """Run the cascade on `branch` against the base commit; every stage is recorded in the store."""
-    from costmodel.ceiling import plausible
 
     say = progress or (lambda _m: None)
     mem = ws.memory

@@ -7,23 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
-from workbench.cli_util import OneLineParser, fail, positive_int
-
-
-def _quiet_transformers() -> None:
-    """Our own progress bar and table say what happens; transformers' load bars and generate notices
-    (about flags we pass on purpose) would bury them."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+from costmodel.cli import add_parser as add_costmodel_parsers
+from decoder.config import ConfigError, DecodeConfig
+from workbench.cli_util import OneLineParser, fail, positive_int, quiet_transformers
+from workbench.demo_cli import add_parser as add_demo_parser
+from workbench.memory_cli import add_parser as add_memory_parser
+from workbench.w12_cli import add_parser as add_w12_parser
+from workbench.workspace_cli import add_parser as add_workspace_parsers
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from decoder.bench import (
+    from decoder.lab.bench import (
         ALL_METHODS,
         DRAFT_MODEL_METHODS,
         FEATURE_METHODS,
@@ -34,10 +32,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         format_table,
         run_bench,
     )
-    from decoder.config import ConfigError, DecodeConfig
     from decoder.models import ModelLoadError, demo_deployment
 
-    _quiet_transformers()
+    quiet_transformers()
 
     try:
         if args.target:
@@ -79,7 +76,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, prompt_dir: Path | None,
                  deployment: str) -> int:
     """`bench --batch-sizes`: batched AR against batched SD with the batching mechanisms on and off."""
-    from decoder.batch_bench import BATCH_DRAFTERS, format_batch_table, parse_batch_sizes, run_batch_bench
+    from decoder.lab.batch_bench import BATCH_DRAFTERS, format_batch_table, parse_batch_sizes, run_batch_bench
 
     drafters = tuple(d.strip() for d in args.batch_drafters.split(",")) if args.batch_drafters else BATCH_DRAFTERS
     if drafter is None and not args.batch_drafters:
@@ -98,7 +95,6 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
 
 def _tree_settings(args: argparse.Namespace, cls):
     """TreeSettings from the --tree-*/--two-level-*/--dcut-* flags (unset flags keep the defaults)."""
-    from decoder.config import DecodeConfig
 
     defaults = cls()
     kw = {f: getattr(args, f) for f in defaults.__dataclass_fields__ if getattr(args, f, None) is not None}
@@ -111,8 +107,8 @@ def _tree_settings(args: argparse.Namespace, cls):
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter, train_router
     from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir
-    from decoder.train_drafter import DrafterSpec, train_feature_drafter, train_router
 
     if args.kind is None:
         return fail("train drafter: --kind is required (block, mtp or router)")
@@ -146,7 +142,6 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     work = Path(args.work_dir) if args.work_dir else Path("build/train-drafter")
     out = Path(args.out) if args.out else None
     if args.force:
-        import shutil
 
         (work / f"{spec.kind}-s{spec.seed}.ckpt.pt").unlink(missing_ok=True)
         if out is not None:
@@ -165,13 +160,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _cmd_train_drafter(args)
     if args.what != "demo":
         return fail(f"train {args.what}: unknown; available: demo, drafter")
+    from decoder.lab.train import train_demo
     from decoder.models import DEMO_DIR
-    from decoder.train import train_demo
 
     out = Path(args.out) if args.out else DEMO_DIR
     work = Path(args.work_dir) if args.work_dir else Path("build/train-demo")
     if args.force:
-        import shutil
 
         for sub in ("target", "drafter", "tokenizer"):
             shutil.rmtree(out / sub, ignore_errors=True)
@@ -229,22 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)
 
-    from costmodel.cli import add_parser as add_costmodel_parsers
 
     add_costmodel_parsers(sub)  # `costmodel` and `profile`
 
-    from workbench.memory_cli import add_parser as add_memory_parser
 
     add_memory_parser(sub)  # `memory list|show|search|accept|reject`
 
-    from workbench.w12_cli import add_parser as add_w12_parser
-    from workbench.workspace_cli import add_parser as add_workspace_parsers
 
     add_workspace_parsers(sub)  # `init`, `branch`, `force`, `export`
 
     add_w12_parser(sub)  # `w12 stats`
 
-    from workbench.demo_cli import add_parser as add_demo_parser
 
     add_demo_parser(sub)  # `demo`
 

@@ -9,6 +9,16 @@ from collections.abc import Callable
 EXIT_USAGE = 2
 
 
+def quiet_transformers() -> None:
+    """Our own progress bars and tables say what happens; transformers' load bars and generate notices
+    (about flags we pass on purpose) would bury them. transformers is imported here, not at the top: the
+    headless and help paths of the CLIs start without it."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def fail(msg: str) -> int:
     """Print `error: msg` on stderr and return the usage exit status."""
     print(f"error: {msg}", file=sys.stderr)

@@ -18,7 +18,7 @@ import os
 import shlex
 from pathlib import Path
 
-from workbench.cli_util import fail, positive_int
+from workbench.cli_util import fail, positive_int, quiet_transformers
 from workbench.tui_entry import EXIT_BUDGET, EXIT_OK, _progress, run_headless
 
 DEFAULT_WORKSPACE = "build/demo-workspace"
@@ -67,7 +67,6 @@ def summary_lines(ws, summary: dict, patches: list[Path]) -> list[str]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from workbench.cli import _quiet_transformers
     from workbench.export import export
     from workbench.loop import Loop, LoopOptions
     from workbench.workspace import Workspace, WorkspaceError, init_demo
@@ -91,7 +90,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except (WorkspaceError, OSError) as e:
         return fail(f"demo workspace {path}: {e}".splitlines()[0])
 
-    _quiet_transformers()
+    quiet_transformers()
     opts = LoopOptions(rounds=args.rounds, agents=1, agent="tuner", budget_minutes=args.budget_minutes,
                        use_global_memory=False, auto_accept=True)
 

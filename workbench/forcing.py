@@ -3,7 +3,7 @@
 Stock's tokens for each forcing prompt (visible and hidden splits) are computed once by running the
 stock commit through the same harness, and cached in `.specpilot/stock/`, with stock's top-2 logit
 margin at every position from one teacher-forced forward of the target, and the deployment's noise
-floor (the largest logit difference between one-token and multi-token forwards, `decoder.bench`).
+floor (the largest logit difference between one-token and multi-token forwards, `decoder.lab.bench`).
 
 The candidate then generates for each prompt. At the first position where its token differs from
 stock's, the mismatch is recorded, and the candidate is asked again from the prompt plus stock's
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from decoder.contract import near_tie, near_tie_threshold
 from workbench.harness import Limits, SystemCrash, SystemProcess
 from workbench.progress import step
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
@@ -98,7 +99,7 @@ def _margins_and_noise(ws: Workspace, rows: list[dict]) -> float:
     """Stock's top-2 margins from one teacher-forced forward per prompt, and the noise floor."""
     import torch
 
-    from decoder.bench import noise_floor
+    from decoder.lab.bench import noise_floor
     from decoder.models import load_causal_lm
 
     target = load_causal_lm(ws.config.target, "target", ws.config.dtype, ws.config.device)
@@ -124,14 +125,14 @@ def timed_output_problem(ref: dict, prompt_id: str, tokens: list[int]) -> str | 
     if row is None:
         return f"prompt {prompt_id}: not a forcing prompt"
     stock, margins = row["stock"], row.get("margins") or []
-    threshold = 2 * float(ref["noise_floor"])
+    threshold = near_tie_threshold(ref["noise_floor"])
     at = next((j for j, (a, b) in enumerate(zip(tokens, stock, strict=False)) if a != b), None)
     if at is None:
         if len(tokens) == len(stock):
             return None
         return f"prompt {prompt_id}: {len(tokens)} tokens where stock gives {len(stock)}"
     margin = margins[at] if at < len(margins) else None
-    if margin is not None and margin < threshold:
+    if near_tie(margin, ref["noise_floor"]):
         return None
     return (f"prompt {prompt_id}: token {at} is {tokens[at]} where stock gives {stock[at]} "
             f"(margin {margin if margin is None else round(margin, 4)} >= near-tie {threshold:.4g})")
@@ -211,7 +212,7 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
     ref = stock_reference(ws, progress)
     tok = load_tokenizer(ws.config.tokenizer)
     floor = float(ref["noise_floor"])
-    threshold = 2 * floor
+    threshold = near_tie_threshold(floor)
     cap = ws.config.max_mismatches_per_prompt
     mismatches: list[dict] = []
     per_split: dict[str, list[int]] = {}
@@ -244,7 +245,7 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
         sp.close()
 
     for m in mismatches:
-        m["near_tie"] = m["margin"] is not None and m["margin"] < threshold
+        m["near_tie"] = near_tie(m["margin"], floor)
     unexplained = [m for m in mismatches if not m["near_tie"]]
     report.update({
         "match_rate": (checked - len(mismatches)) / checked if checked else 0.0,

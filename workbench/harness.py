@@ -20,9 +20,11 @@ itself, around the request/answer pair on the pipe. The process runs
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -304,7 +306,6 @@ class SystemProcess:
         return ready
 
     def _rlimit(self) -> None:
-        import resource
 
         _die_with_parent()
         cap = (self.limits.memory_mb + 4096) * 1024 * 1024
@@ -498,7 +499,6 @@ class SystemProcess:
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the harness dies (kill -9 included), so no candidate
     outlives the evaluation that started it; sandboxed, the init's own death signal then ends its namespace."""
-    import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 

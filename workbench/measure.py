@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from store import data_dir
 from workbench.harness import SystemProcess
 from workbench.progress import step
 
@@ -36,7 +37,6 @@ _rng = random.SystemRandom()
 @contextmanager
 def measurement_lock() -> Iterator[None]:
     """Exclusive use of the machine for timed work: across threads here and processes elsewhere."""
-    from store import data_dir
 
     path = data_dir() / "measure.lock"
     path.parent.mkdir(parents=True, exist_ok=True)

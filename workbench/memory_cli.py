@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from store import Memory, StoreError, global_memory_path, to_dict, workspace_memory_path
+from store.migrations import GAP_FAMILIES, MECHANISM_STATUSES
 from workbench.cli_util import fail, run_group
 
 if TYPE_CHECKING:
@@ -25,21 +27,18 @@ if TYPE_CHECKING:
 
 def default_db_path() -> Path:
     """This directory's workspace memory if there is one, else the global memory."""
-    from store import global_memory_path, workspace_memory_path
 
     local = workspace_memory_path(Path.cwd())
     return local if local.exists() else global_memory_path()
 
 
 def _open(args: argparse.Namespace) -> Memory:
-    from store import Memory
 
     # Reading commands must not leave an empty database behind a mistyped path: never create here.
     return Memory(_db_path(args), create=False)
 
 
 def _db_path(args: argparse.Namespace) -> Path:
-    from store import workspace_memory_path
 
     if getattr(args, "workspace", None):
         return workspace_memory_path(Path(args.workspace))
@@ -49,7 +48,6 @@ def _db_path(args: argparse.Namespace) -> Path:
 def publish_verdict(m: Mechanism, source: Path) -> bool:
     """Carry an accepted or rejected mechanism from a workspace memory into the global memory, where
     other deployments find it (transfer). Returns whether anything was copied."""
-    from store import Memory, global_memory_path
 
     glob = global_memory_path()
     if m.status == "candidate" or source.resolve() == glob.resolve():
@@ -100,7 +98,6 @@ def _emit(args: argparse.Namespace, payload: object, text: str) -> None:
 
 
 def _run(args: argparse.Namespace, body) -> int:
-    from store import StoreError
 
     try:
         mem = _open(args)
@@ -115,7 +112,6 @@ def _run(args: argparse.Namespace, body) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from store import to_dict
 
     def body(mem: Memory) -> int:
         ms = mem.list_mechanisms(status=args.status, gap_family=args.family)
@@ -126,7 +122,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from store import to_dict
 
     def body(mem: Memory) -> int:
         m = mem.get_mechanism(args.id)
@@ -138,7 +133,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    from store import to_dict
 
     def body(mem: Memory) -> int:
         ms = mem.search_mechanisms(args.query, status=args.status, limit=args.limit)
@@ -149,7 +143,6 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 
 def _set_status(args: argparse.Namespace, status: str) -> int:
-    from store import to_dict
 
     if not args.note.strip():
         return fail(f"{status} needs a reviewer note: --note TEXT saying why")
@@ -184,7 +177,6 @@ def _mechanism_id(text: str) -> int:
 
 def add_parser(subparsers) -> None:
     """Add the `memory` command and its subcommands to an argparse subparsers object."""
-    from store.migrations import GAP_FAMILIES, MECHANISM_STATUSES
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", help="memory database (default: ./.specpilot/memory.db if present, else the global "

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from workbench.cli_util import OneLineParser, fail, positive_int
+from workbench.cli_util import OneLineParser, fail, positive_int, quiet_transformers
 
 EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 2, 3, 4, 5
 T = TypeVar("T")
@@ -81,9 +81,8 @@ def run_auto(args: argparse.Namespace) -> int:
     except WorkspaceError as e:
         return fail(str(e))
 
-    from workbench.cli import _quiet_transformers
 
-    _quiet_transformers()  # our progress lines say what happens; no weight-loading bars in between
+    quiet_transformers()  # our progress lines say what happens; no weight-loading bars in between
     opts = LoopOptions(rounds=args.rounds, agents=args.agents, agent=args.agent, budget_minutes=args.budget_minutes,
                        use_global_memory=not args.no_global_memory, auto_accept=True)
     if opts.agent == "llm":  # fail now, in one line, rather than inside every agent

@@ -19,6 +19,7 @@ Branch state lives in git (branch, worktree) and in the store (round, agent, dir
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -31,7 +32,10 @@ from pathlib import Path
 
 import git
 
-from store import Branch, Memory
+import decoder
+import kernels
+from decoder.config import ConfigError, DecodeConfig, read_table
+from store import Branch, Memory, data_dir
 from workbench.progress import pid_alive
 from workbench.safegit import SafeGitError, worktree_admin_dir, worktree_git
 
@@ -42,6 +46,7 @@ NOISE_PAIRS, NOISE_MARGIN = 3, 2.0
 MANUAL_ROUND = "manual"  # branches made by hand (`specpilot branch create`) belong to the round in this status
 NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 LIVE_STATUSES = ("evaluating", "running")  # an evaluation or an agent in progress
+MAX_CONFIG_BYTES = 64 * 1024  # a system.toml larger than this is refused, not parsed
 
 
 class WorkspaceError(Exception):
@@ -134,6 +139,7 @@ class Workspace:
         for sub in ("stock", "worktrees", "logs"):
             (self.state / sub).mkdir(parents=True, exist_ok=True)
         self._memory: Memory | None = None
+        self._configs: dict[str, dict] = {}  # commit -> its [decode] table (commits never change)
 
     # -- basics ----------------------------------------------------------------------------------------
 
@@ -155,6 +161,29 @@ class Workspace:
             return self.repo.git.rev_parse("--verify", "--quiet", f"{ref}^{{commit}}").strip()
         except git.GitCommandError:
             raise WorkspaceError(f"{ref!r} is not a commit, branch or tag of {self.path}") from None
+
+    def config_at(self, ref: str) -> dict:
+        """The system's [decode] table at commit `ref`, read once per commit from the git object (never
+        from a worktree): every key, the system's own knobs included. The workbench reads the keys it
+        needs from it (`verify_width`, `method`, `device`) and never validates it against the installed
+        DecodeConfig: a candidate that adds a key runs its own code with it."""
+        sha = self.rev(ref)
+        hit = self._configs.get(sha)
+        if hit is None:
+            name = self.config.config_file
+            try:
+                size = int(self.repo.git.cat_file("-s", f"{sha}:{name}"))
+                if size > MAX_CONFIG_BYTES:
+                    raise WorkspaceError(f"{name} at {sha[:10]} is {size} bytes (limit {MAX_CONFIG_BYTES}); "
+                                         f"a decode config is a few dozen keys")
+                hit = read_table(self.repo.git.show(f"{sha}:{name}"))
+            except git.GitCommandError:
+                raise WorkspaceError(f"{name} is missing at {sha[:10]}; the system's config must stay "
+                                     f"in the repository") from None
+            except ConfigError as e:
+                raise WorkspaceError(f"{name} at {sha[:10]}: {e}") from None
+            self._configs[sha] = hit
+        return dict(hit)
 
     @property
     def stock_commit(self) -> str:
@@ -447,18 +476,17 @@ never committed and never visible to a candidate.
 
 
 def default_demo_path() -> Path:
-    from store import data_dir
 
     return data_dir() / "workspaces" / "demo"
 
 
 def _copy_package(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "assets"))
+    # Not the demo's model files (assets) and not the lab (bench, training): the workspace carries the runtime.
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "assets", "lab"))
 
 
 def _split_prompts(rows: list[dict], hidden: int) -> tuple[list[dict], list[dict]]:
     """A fixed split: the prompts whose id hashes lowest are hidden."""
-    import hashlib
 
     order = sorted(rows, key=lambda r: hashlib.sha256(r["id"].encode()).hexdigest())
     hidden_ids = {r["id"] for r in order[:hidden]}
@@ -514,9 +542,6 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
 
 def _build_demo(path: Path, *, name: str, forcing_max_new_tokens: int, limits: dict | None, prompts: str,
                 prompt_limit: int | None, hidden: int, bench: dict | None = None) -> None:
-    import decoder
-    import kernels
-    from decoder.config import DecodeConfig
     from decoder.models import DEMO_DIR
 
     _copy_package(Path(decoder.__file__).parent, path / "decoder")

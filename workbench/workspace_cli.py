@@ -11,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from workbench.cli_util import fail, run_group
+from store import NotFound, StoreError, to_dict
+from workbench.cli_util import fail, quiet_transformers, run_group
+from workbench.harness import SystemCrash
 
 EXIT_MISMATCH, EXIT_CRASH = 1, 3
 
@@ -23,8 +25,6 @@ def _workspace(args: argparse.Namespace):
 
 
 def _errors():
-    from store import NotFound, StoreError
-    from workbench.harness import SystemCrash
     from workbench.workspace import WorkspaceError
 
     return (WorkspaceError, StoreError, NotFound, SystemCrash)
@@ -46,7 +46,6 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_branch(args: argparse.Namespace) -> int:
-    from store import to_dict
 
     try:
         ws = _workspace(args)
@@ -82,10 +81,9 @@ def _cmd_branch(args: argparse.Namespace) -> int:
 
 
 def _cmd_force(args: argparse.Namespace) -> int:
-    from workbench.cli import _quiet_transformers
     from workbench.forcing import force, format_report
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         ws = _workspace(args)
         report = force(ws, args.branch, progress=not args.quiet)

@@ -19,13 +19,14 @@ import math
 import random
 from dataclasses import dataclass
 
-from decoder.config import ConfigError, DecodeConfig
+from decoder.config import ConfigError, DecodeConfig, dump_table
+from decoder.contract import near_tie_threshold
 from decoder.mechanisms import REGISTRY
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.forcing import run_system, stock_reference
-from workbench.measure import measurement_lock
+from workbench.measure import load_prompts, measurement_lock
 from workbench.progress import step
-from workbench.workspace import Workspace
+from workbench.workspace import Workspace, WorkspaceError
 
 MAX_GRID = 12  # candidates per mechanism, sampled deterministically from larger grids
 RUNGS = ((2, 32), (4, 64))  # (prompts, tokens) per rung; the finalist is then paired on every visible prompt
@@ -125,17 +126,20 @@ class TunerAgent:
         self.min_gain = min_gain
 
     def run(self, ctx: AgentContext) -> AgentResult:
-        from workbench.measure import load_prompts
 
         wt = ctx.worktree
-        base = DecodeConfig.load(wt / self.ws.config.config_file)
+        try:  # from the git object, not the worktree file: every key, the system's own knobs included
+            table = self.ws.config_at(self.ws.head(ctx.branch))
+            base = DecodeConfig.from_table(table, known_only=True)
+        except (WorkspaceError, ConfigError) as e:
+            return AgentResult(False, f"the tuner cannot read the branch's config: {e}")
         cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed)
         if not cands:
             return AgentResult(False, f"no registered mechanism for {ctx.direction.family} applies on "
                                       f"{base.device} beyond the current config")
         stock = stock_reference(self.ws, progress=False)  # tokenizes every prompt and reads the cache: once
         ref = {p["id"]: p for p in stock["prompts"] if p["split"] == "visible"}
-        threshold = 2 * float(stock["noise_floor"])
+        threshold = near_tie_threshold(stock["noise_floor"])
         prompts = [p for p in load_prompts(self.ws) if p.id in ref]
         limit = self.ws.config.forcing_max_new_tokens
         ctx.log("tuner.start", f"{len(cands)} candidate configs for {ctx.direction.family}",
@@ -190,7 +194,8 @@ class TunerAgent:
                                       f"(best {alive[0].changes if alive else '-'}: {ratio:.3f}x paired)",
                                details={"history": history})
         win = alive[0]
-        win.cfg.save(wt / self.ws.config.config_file)
+        # Key by key: the tuner's keys change, keys it does not know stay as the branch had them.
+        (wt / self.ws.config.config_file).write_text(dump_table({**table, **win.cfg.as_dict()}))
         name = mechanism_name(win.changes)
         g = self.ws.worktree_git(ctx.branch)
         g.add(self.ws.config.config_file)

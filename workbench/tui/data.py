@@ -19,8 +19,10 @@ from typing import Any
 
 import git
 
+from decoder.config import DecodeConfig
 from store import Event, ForcingReport, Mechanism
 from store.migrations import GAP_FAMILIES
+from workbench.memory_cli import publish_verdict
 from workbench.progress import describe, read_progress, tracking
 from workbench.safegit import worktree_git
 from workbench.workspace import LIVE_STATUSES, MANUAL_ROUND, Workspace, WorkspaceError
@@ -246,7 +248,6 @@ def list_mechanisms(ws: Workspace, query: str = "") -> list[Mechanism]:
 
 def set_verdict(ws: Workspace, mechanism_id: int, status: str, note: str) -> tuple[Mechanism, bool]:
     """Accept or reject with the reviewer's note, and carry the verdict to the global memory."""
-    from workbench.memory_cli import publish_verdict
 
     if not note.strip():
         raise ValueError(f"{status} needs a note saying why")
@@ -329,7 +330,6 @@ class LaunchChoice:
 def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None]:
     """Gap families to offer (the largest measured gap first; all when nothing is profiled yet), with
     what the tuner has left for each on the current base; and why the LLM agent cannot run (None: it can)."""
-    from decoder.config import DecodeConfig
     from workbench.agents.llm import LLMConfigError
     from workbench.agents.tuner import candidates
     from workbench.loop import llm_config
@@ -340,9 +340,9 @@ def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None
     order = [(k, float(v)) for k, v in known] + [(f, None) for f in GAP_FAMILIES if f not in fams]
     repo = git.Repo(ws.path)
     base = BASE_BRANCH if BASE_BRANCH in repo.heads else ws.stock_commit
-    try:
-        cfg = DecodeConfig.from_toml(repo.git.show(f"{base}:{ws.config.config_file}"))
-    except (git.GitCommandError, ValueError):
+    try:  # the keys the tuner knows; a base with the system's own keys still counts its candidates
+        cfg = DecodeConfig.from_table(ws.config_at(base), known_only=True)
+    except (WorkspaceError, ValueError):
         cfg = None
     out = [LaunchChoice(fam, ms, len(candidates(cfg, fam, [])) if cfg is not None else 0) for fam, ms in order]
     try:

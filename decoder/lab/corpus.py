@@ -13,6 +13,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 # Directories of tests and generated tables: unrepresentative code that would dominate a tiny corpus.
 _TEST_PARTS = {"test", "tests", "idle_test"}
@@ -79,7 +80,6 @@ def code_documents(root: Path | None = None, include_tests: bool = False) -> lis
 def prose_documents(chunk_chars: int = 3000) -> list[Document]:
     """The library reference text bundled with CPython, cut at paragraph boundaries into ~3 kB chunks
     (a topic can be 40 kB; chunking gives the split enough units to hold some out)."""
-    from pydoc_data.topics import topics
 
     docs = []
     for name, text in sorted(topics.items()):

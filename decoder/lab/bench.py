@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from decoder.config import DecodeConfig, verify_width
+from decoder.contract import near_tie
 from decoder.generate import crop_cache, generate
 from decoder.models import (
     ModelLoadError,
@@ -403,7 +404,7 @@ def run_bench(
                 continue
             mismatched += 1
             margin = top2_margin(target, ids + ref[:pos]) if pos < len(ref) else float("inf")
-            explained = margin < 2 * floor
+            explained = near_tie(margin, floor)
             unexplained += not explained
             divergences.append({"prompt": pid, "position": pos, "margin": round(margin, 5), "explained": explained})
         tps = res.tokens / res.seconds if res.seconds else 0.0

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from decoder.corpus import Document, all_documents, split_of, write_prompt_sets
+from decoder.lab.corpus import Document, all_documents, split_of, write_prompt_sets
 
 EOS = "<|endoftext|>"
 UL_STEPS, UL_LR, UL_WEIGHT = 400, 3e-4, 2.0
@@ -359,7 +359,7 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
         results["drafter"] = train_lm(recipe.drafter, data_for(recipe.drafter), tok_dir, work_dir,
                                       out_root / "drafter", teacher)
     if only is None or only == "drafter":
-        from decoder.quality import QUALITY_BAR, demo_quality  # quality imports the decoder, which is heavy
+        from decoder.lab.quality import QUALITY_BAR, demo_quality  # quality imports the decoder, which is heavy
 
         quality = demo_quality(out_root / "target", out_root / "prompts" / "code.jsonl")
         _atomic_write_text(out_root / "quality.json", json.dumps(quality, indent=2))

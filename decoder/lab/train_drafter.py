@@ -46,7 +46,8 @@ from decoder.featdraft import (
     drafters_dir,
     save_feature_drafter,
 )
-from decoder.train import _atomic_write_text, _lr_at, optimizer_step
+from decoder.lab.corpus import all_documents, make_prompt, split_of
+from decoder.lab.train import _atomic_write_text, _lr_at, optimizer_step
 
 
 @dataclass
@@ -99,8 +100,7 @@ def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
 
 def corpus_streams(target_dir: Path, cache_dir: Path, prose_upweight: int) -> dict[str, np.ndarray]:
     """The corpus's train / val token streams under the target's tokenizer (cached)."""
-    from decoder.corpus import all_documents
-    from decoder.train import tokenize_corpus
+    from decoder.lab.train import tokenize_corpus
 
     return tokenize_corpus(all_documents(), target_dir, cache_dir, prose_upweight)
 
@@ -376,7 +376,6 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
 
 
 def _router_rows(docs, tok, chars: int) -> tuple[list[list[int]], list[int]]:
-    from decoder.corpus import make_prompt
 
     rows, labels = [], []
     for d in docs:
@@ -397,7 +396,6 @@ def _bag(rows: list[list[int]], vocab: int) -> torch.Tensor:
 def train_router(target_dir: Path, out_path: Path | None = None, seed: int = 0, prompt_chars: int = 1000,
                  steps: int = 300) -> dict:
     """Fit the code/prose router on the training split; report its accuracy on val and the prompt sets."""
-    from decoder.corpus import all_documents, split_of
     from decoder.models import DEMO_DIR, load_tokenizer
 
     target_dir = Path(target_dir)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from decoder.bench import load_prompts, repeated_ngram_fraction  # noqa: F401 (re-exported)
 from decoder.config import DecodeConfig
 from decoder.generate import ar_generate
+from decoder.lab.bench import load_prompts, repeated_ngram_fraction  # noqa: F401 (re-exported)
 from decoder.models import load_causal_lm, load_tokenizer
 
 QUALITY_BAR = 0.5  # the gate: mean repeated-4-gram fraction below this
