@@ -115,30 +115,25 @@ class BatchLM:
         sin = lean.sin.index_select(0, pos)[:, None, :]
         x = F.embedding(ids, lean.embed)  # [T, D]
         qpad = torch.zeros(n_range * qmax, lean.n_heads, lean.head_dim, dtype=self.dtype, device=dev)
-        for li, (ln1, wqkv, wo, ln2, wgu, wdown) in enumerate(lean.layers):
-            h = lean._rms(x, ln1)
-            qkv = F.linear(h, wqkv)  # [T, (H+2KV)*hd]
-            qh = qkv[:, : lean.q_size].view(T, lean.n_heads, lean.head_dim)
-            kh = qkv[:, lean.q_size : lean.q_size + lean.kv_size].view(T, lean.n_kv, lean.head_dim)
-            vh = qkv[:, lean.q_size + lean.kv_size :].view(T, lean.n_kv, lean.head_dim)
-            cache.k[li][row_slot, :, pos] = lean._rope(kh, cos, sin)  # [T, KV, hd] into (slot, :, pos)
+        gqa = lean.n_kv != lean.n_heads
+
+        def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            cache.k[li][row_slot, :, pos] = kh  # [T, KV, hd] into (slot, :, pos)
             cache.v[li][row_slot, :, pos] = vh
-            qpad[dest] = lean._rope(qh, cos, sin)
+            qpad[dest] = qh
             att = F.scaled_dot_product_attention(
                 qpad.view(n_range, qmax, lean.n_heads, lean.head_dim).transpose(1, 2),
-                cache.k[li, lo:hi, :, :Lk], cache.v[li, lo:hi, :, :Lk], attn_mask=mask,
-                enable_gqa=lean.n_kv != lean.n_heads,
+                cache.k[li, lo:hi, :, :Lk], cache.v[li, lo:hi, :, :Lk], attn_mask=mask, enable_gqa=gqa,
             )  # [n_range, H, qmax, hd]
-            att = att.transpose(1, 2).reshape(n_range * qmax, lean.q_size)[dest]  # [T, H*hd]
-            x = x + F.linear(att, wo)
-            h = lean._rms(x, ln2)
-            gu = F.linear(h, wgu)  # [T, 2I]
-            x = x + F.linear(F.silu(gu[:, : lean.inter]) * gu[:, lean.inter :], wdown)
+            return att.transpose(1, 2).reshape(n_range * qmax, lean.q_size)[dest]  # [T, H*hd]
+
+        for li in range(len(lean.layers)):
+            x = lean.layer(li, x, cos, sin, attend)
         for s, st, a in zip(slots, starts, advance if advance is not None else qlens, strict=True):
             cache.lengths[s] = st + a
         if last_rows is not None:
             x = x[offs + torch.tensor(last_rows, device=dev)]  # [R, D]
-        return F.linear(lean._rms(x, lean.final_norm), lean.lm_head)  # [T|R, V]
+        return lean.head(x)  # [T|R, V]
 
 
 def choose_draft_lens(caps: list[int], alphas: list[float], fixed_rows: float, draft_cost: float) -> list[int]:

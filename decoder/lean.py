@@ -9,12 +9,15 @@ the reference: tests compare logits against it within the deployment's noise flo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+# attend(layer, q [T, H, hd], k [T, KV, hd], v [T, KV, hd]) -> [T, H * hd]: a forward's cache and mask
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LeanUnsupported(ValueError):
@@ -109,6 +112,25 @@ class LeanLM:
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
 
+    def layer(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Decoder layer `li` on rows x [T, D], the one layer body of every forward (single request, static,
+        batched): norm, fused QKV, RoPE (cos, sin [T, 1, hd]), `attend`, output projection, norm, fused
+        gate/up MLP. `attend(li, q [T, H, hd], k [T, KV, hd], v [T, KV, hd])` stores k and v where its
+        cache keeps them and returns the attention output [T, H * hd]."""
+        ln1, wqkv, wo, ln2, wgu, wdown = self.layers[li]
+        t = x.shape[0]
+        qkv = F.linear(self._rms(x, ln1), wqkv)  # [T, (H+2KV)*hd]
+        q = qkv[:, : self.q_size].view(t, self.n_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.n_kv, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.head_dim)
+        x = x + F.linear(attend(li, self._rope(q, cos, sin), self._rope(k, cos, sin), v), wo)
+        gu = F.linear(self._rms(x, ln2), wgu)  # [T, 2I]
+        return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], wdown)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden rows [T, D] -> logits [T, V]."""
+        return F.linear(self._rms(x, self.final_norm), self.lm_head)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
@@ -130,40 +152,34 @@ class LeanLM:
             raise ValueError(f"lean forward: sequence length {end} exceeds the KV buffer ({cache.k.shape[2]}); "
                              f"create the cache with a larger max_len")
         if positions is None:
-            cos, sin = self.cos[start:end], self.sin[start:end]  # [q, hd]
+            cos, sin = self.cos[start:end, None], self.sin[start:end, None]  # [q, 1, hd]
         else:
-            cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+            cos, sin = self.cos.index_select(0, positions)[:, None], self.sin.index_select(0, positions)[:, None]
         x = F.embedding(ids, self.embed)  # [q, D]
         hidden: list[torch.Tensor] = []
         mask = attn_mask
         if mask is None and q > 1:  # block-causal: new token i sees the cache and new tokens 0..i
             mask = torch.ones(q, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
-        for li, (ln1, wqkv, wo, ln2, wgu, wdown) in enumerate(self.layers):
-            h = self._rms(x, ln1)
-            qkv = F.linear(h, wqkv)  # [q, (H+2KV)*hd]
-            qh = qkv[:, : self.q_size].view(q, self.n_heads, self.head_dim).transpose(0, 1)  # [H, q, hd]
-            kh = qkv[:, self.q_size : self.q_size + self.kv_size].view(q, self.n_kv, self.head_dim).transpose(0, 1)
-            vh = qkv[:, self.q_size + self.kv_size :].view(q, self.n_kv, self.head_dim).transpose(0, 1)
-            qh = self._rope(qh, cos, sin)
-            cache.k[li, :, start:end] = self._rope(kh, cos, sin)
-            cache.v[li, :, start:end] = vh
+        gqa = self.n_kv != self.n_heads
+
+        def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            cache.k[li, :, start:end] = kh.transpose(0, 1)
+            cache.v[li, :, start:end] = vh.transpose(0, 1)
             att = F.scaled_dot_product_attention(
-                qh[None], cache.k[li : li + 1, :, :end], cache.v[li : li + 1, :, :end], attn_mask=mask,
-                enable_gqa=self.n_kv != self.n_heads,
+                qh.transpose(0, 1)[None], cache.k[li : li + 1, :, :end], cache.v[li : li + 1, :, :end],
+                attn_mask=mask, enable_gqa=gqa,
             )  # [1, H, q, hd]
-            x = x + F.linear(att[0].transpose(0, 1).reshape(q, self.q_size), wo)
-            h = self._rms(x, ln2)
-            gu = F.linear(h, wgu)  # [q, 2I]
-            x = x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], wdown)
+            return att[0].transpose(0, 1).reshape(q, self.q_size)
+
+        for li in range(len(self.layers)):
+            x = self.layer(li, x, cos, sin, attend)
             if capture is not None and li in capture:
                 hidden.append(x)
         cache.length = end
+        logits = self.head(x[-1:] if last_only else x)  # [q|1, V]
         if capture is not None:
-            logits = F.linear(self._rms(x[-1:] if last_only else x, self.final_norm), self.lm_head)
             return logits, torch.cat(hidden, dim=-1)
-        if last_only:
-            x = x[-1:]
-        return F.linear(self._rms(x, self.final_norm), self.lm_head)  # [q|1, V]
+        return logits
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # verify widths a step is padded to: one captured graph each
@@ -223,29 +239,22 @@ class StaticLeanLM:
         """The static step: ids, pos [b] -> logits [b, V] (or [1, V]); shapes depend on b only."""
         lean = self.lean
         b = ids.shape[0]
-        cos, sin = lean.cos.index_select(0, pos), lean.sin.index_select(0, pos)  # [b, hd]
+        cos, sin = lean.cos.index_select(0, pos)[:, None], lean.sin.index_select(0, pos)[:, None]  # [b, 1, hd]
         mask = self._keys[None, :] <= pos[:, None]  # [b, max_len]: keys at or before each query
-        x = F.embedding(ids, lean.embed)  # [b, D]
-        for li, (ln1, wqkv, wo, ln2, wgu, wdown) in enumerate(lean.layers):
-            h = lean._rms(x, ln1)
-            qkv = F.linear(h, wqkv)
-            qh = qkv[:, : lean.q_size].view(b, lean.n_heads, lean.head_dim).transpose(0, 1)
-            kh = qkv[:, lean.q_size : lean.q_size + lean.kv_size].view(b, lean.n_kv, lean.head_dim).transpose(0, 1)
-            vh = qkv[:, lean.q_size + lean.kv_size :].view(b, lean.n_kv, lean.head_dim).transpose(0, 1)
-            qh = lean._rope(qh, cos, sin)
-            cache.k[li].index_copy_(1, pos, lean._rope(kh, cos, sin))
-            cache.v[li].index_copy_(1, pos, vh)
+        gqa = lean.n_kv != lean.n_heads
+
+        def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            cache.k[li].index_copy_(1, pos, kh.transpose(0, 1))
+            cache.v[li].index_copy_(1, pos, vh.transpose(0, 1))
             att = F.scaled_dot_product_attention(
-                qh[None], cache.k[li : li + 1], cache.v[li : li + 1], attn_mask=mask,
-                enable_gqa=lean.n_kv != lean.n_heads,
+                qh.transpose(0, 1)[None], cache.k[li : li + 1], cache.v[li : li + 1], attn_mask=mask, enable_gqa=gqa,
             )  # [1, H, b, hd]
-            x = x + F.linear(att[0].transpose(0, 1).reshape(b, lean.q_size), wo)
-            h = lean._rms(x, ln2)
-            gu = F.linear(h, wgu)
-            x = x + F.linear(F.silu(gu[:, : lean.inter]) * gu[:, lean.inter :], wdown)
-        if last_only:
-            x = x[-1:]
-        return F.linear(lean._rms(x, lean.final_norm), lean.lm_head)
+            return att[0].transpose(0, 1).reshape(b, lean.q_size)
+
+        x = F.embedding(ids, lean.embed)  # [b, D]
+        for li in range(len(lean.layers)):
+            x = lean.layer(li, x, cos, sin, attend)
+        return lean.head(x[-1:] if last_only else x)
 
     def _capture(self, b: int, last_only: bool, cache: LeanCache) -> tuple:
         ids = torch.zeros(b, dtype=torch.long, device=self.device)
