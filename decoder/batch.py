@@ -19,6 +19,7 @@ Three batching mechanisms (DecodeConfig keys; all off in stock):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,10 +28,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoder.config import DecodeConfig
+from decoder.config import FEATURE_DRAFTERS, DecodeConfig, verify_width
 from decoder.drafters import NgramDrafter
+from decoder.generate import make_proposer
 from decoder.lean import LeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
+from decoder.proposer import Draft, Proposer, Verdict
+from decoder.tree import read_tree_result, tree_result
 
 
 @dataclass
@@ -44,6 +48,14 @@ class BatchCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    def compact(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Keep slot `slot`'s entries at start + rows (ascending, e.g. a tree's accepted path) as slots
+        start.. start + len(rows) - 1 and drop the rest (LeanCache.compact, one slot)."""
+        n = rows.shape[0]
+        self.k[:, slot, :, start : start + n] = self.k[:, slot, :, start + rows]
+        self.v[:, slot, :, start : start + n] = self.v[:, slot, :, start + rows]
+        self.lengths[slot] = start + n
 
 
 def ragged_index(qlens: list[int], width: int, device: torch.device) -> torch.Tensor:
@@ -75,13 +87,20 @@ class BatchLM:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, slots: list[int], qlens: list[int], cache: BatchCache,
-                advance: list[int] | None = None, last_rows: list[int] | None = None) -> torch.Tensor:
+                advance: list[int] | None = None, last_rows: list[int] | None = None,
+                trees: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                capture: tuple[int, ...] | None = None):
         """Append ids [T = sum(qlens)], packed request by request, to the caches of `slots`.
 
-        Request r's rows sit at positions cache.lengths[slots[r]] + 0..qlens[r]-1 and see their own
+        Request r's rows sit at KV slots cache.lengths[slots[r]] + 0..qlens[r]-1 and see their own
         cache and their earlier rows. Each slot's length then grows by advance[r] (default qlens[r]:
         a padded request advances by its real rows only). Returns logits [T, V], or [R, V] at row
         last_rows[r] of each request.
+
+        trees[r] = (depth [n], anc [n, n]) makes request r's first 1 + n rows a draft tree (root, nodes):
+        node i at RoPE position start + depth[i] + 1, seeing the cache, the root and its ancestors (the
+        single-request tree verify, decoder/tree.py). With `capture` it returns (logits, hidden [T, F]),
+        the residual stream after each listed layer for every row (decoder/featdraft.py).
         """
         lean = self.lean
         dev = self.device
@@ -103,7 +122,13 @@ class BatchLM:
         req = torch.repeat_interleave(torch.arange(R, device=dev), q_t, output_size=T)  # [T]
         offs = torch.cumsum(q_t, 0) - q_t
         row_i = torch.arange(T, device=dev) - offs[req]  # [T] row within its request
-        pos = torch.tensor(starts, device=dev)[req] + row_i  # [T]
+        pos = torch.tensor(starts, device=dev)[req] + row_i  # [T] KV slot of each row
+        rope_pos = pos
+        if trees is not None and any(t is not None for t in trees):
+            rel = [torch.cat([torch.zeros(1, dtype=torch.long, device=dev), t[0] + 1,
+                              torch.arange(1 + t[0].shape[0], q, device=dev)]) if t is not None else
+                   torch.arange(q, device=dev) for t, q in zip(trees, qlens, strict=True)]
+            rope_pos = torch.tensor(starts, device=dev)[req] + torch.cat(rel)  # [T] RoPE position of each row
         row_slot = slot_t[req]  # [T]
         dest = (row_slot - lo) * qmax + row_i  # [T] row in the padded [n_range, qmax] attention layout
         range_start = torch.zeros(n_range, dtype=torch.long, device=dev)
@@ -111,8 +136,13 @@ class BatchLM:
         qpos = range_start[:, None] + torch.arange(qmax, device=dev)[None, :]  # [n_range, qmax]
         # Key j is visible to a query at position p when j <= p: own cache plus own earlier rows.
         mask = (torch.arange(Lk, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]  # [n_range, 1, qmax, Lk]
-        cos = lean.cos.index_select(0, pos)[:, None, :]  # [T, 1, hd]
-        sin = lean.sin.index_select(0, pos)[:, None, :]
+        for r, t in enumerate(trees or ()):
+            if t is not None:  # the root and the nodes see the root and their ancestors only, not the siblings
+                n, st, row = t[1].shape[0], starts[r], slots[r] - lo
+                mask[row, 0, 1 : n + 1, st : st + n + 1] = torch.cat(
+                    [torch.ones(n, 1, dtype=torch.bool, device=dev), t[1]], dim=1)
+        cos = lean.cos.index_select(0, rope_pos)[:, None, :]  # [T, 1, hd]
+        sin = lean.sin.index_select(0, rope_pos)[:, None, :]
         x = F.embedding(ids, lean.embed)  # [T, D]
         qpad = torch.zeros(n_range * qmax, lean.n_heads, lean.head_dim, dtype=self.dtype, device=dev)
         gqa = lean.n_kv != lean.n_heads
@@ -127,13 +157,18 @@ class BatchLM:
             )  # [n_range, H, qmax, hd]
             return att.transpose(1, 2).reshape(n_range * qmax, lean.q_size)[dest]  # [T, H*hd]
 
+        hidden: list[torch.Tensor] = []
         for li in range(len(lean.layers)):
             x = lean.layer(li, x, cos, sin, attend)
+            if capture is not None and li in capture:
+                hidden.append(x)
         for s, st, a in zip(slots, starts, advance if advance is not None else qlens, strict=True):
             cache.lengths[s] = st + a
+        feats = torch.cat(hidden, dim=-1) if capture is not None else None  # [T, F]
         if last_rows is not None:
             x = x[offs + torch.tensor(last_rows, device=dev)]  # [R, D]
-        return lean.head(x)  # [T|R, V]
+        logits = lean.head(x)  # [T|R, V]
+        return (logits, feats) if capture is not None else logits
 
 
 def choose_draft_lens(caps: list[int], alphas: list[float], fixed_rows: float, draft_cost: float) -> list[int]:
@@ -207,6 +242,7 @@ class _Slot:
     stats: DecodeStats
     start_s: float
     ngram: NgramDrafter | None = None
+    proposer: Proposer | None = None  # a per-request proposer (tree, two-level, D-cut, feature drafters)
     done: bool = False
     k: int = 0  # this step's draft length
     accepted: int = 0  # running acceptance for load-aware drafting
@@ -218,10 +254,12 @@ class BatchEngine:
     `max_batch` requests at once, greedy or sampled, with the batching mechanisms of `cfg`."""
 
     def __init__(self, target, cfg: DecodeConfig, max_batch: int, drafter_model=None,
-                 eos_id: int | None = None) -> None:
+                 eos_id: int | None = None, heads=None) -> None:
         if max_batch < 1:
             raise ValueError(f"batched decoding: max_batch = {max_batch} is invalid; use 1 or more")
-        if cfg.method == "sd" and cfg.drafter == "draft-model" and drafter_model is None:
+        uses_model = cfg.drafter == "draft-model" or (cfg.drafter == "routed" and "draft-model" in
+                                                      (cfg.route_code, cfg.route_prose))
+        if cfg.method == "sd" and uses_model and drafter_model is None:
             raise ValueError("batched decoding: drafter = 'draft-model' needs a draft model; pass one or "
                              "use drafter = 'ngram'")
         self.cfg = cfg
@@ -229,12 +267,25 @@ class BatchEngine:
         self.target = target if isinstance(target, BatchLM) else BatchLM(target)
         self.device = self.target.device
         self.vocab = self.target.config.vocab_size
-        self.use_draft_model = cfg.method == "sd" and cfg.drafter == "draft-model"
+        # The batched draft model drafts for every request in one forward per position (chain drafts);
+        # every other drafter runs as one proposer per request (the single-request loop's proposers).
+        self.per_request = cfg.method == "sd" and (cfg.drafter in FEATURE_DRAFTERS or cfg.verify != "chain"
+                                                   or cfg.dcut)
+        self.use_draft_model = cfg.method == "sd" and cfg.drafter == "draft-model" and not self.per_request
+        self.heads = heads
         self.drafter = None
         self.draft_cost = 0.0  # drafter cost per token in target rows (parameter ratio): load-aware rule
-        if self.use_draft_model:
+        if cfg.method == "sd" and uses_model:
             self.drafter = drafter_model if isinstance(drafter_model, BatchLM) else BatchLM(drafter_model)
             self.draft_cost = _n_params(self.drafter.lean) / _n_params(self.target.lean)
+        self.capture = None
+        if self.per_request and cfg.drafter in FEATURE_DRAFTERS:
+            if heads is None:
+                raise ValueError(f"batched decoding: drafter = {cfg.drafter!r} needs the target's feature drafters "
+                                 f"(FeatureHeads)")
+            kinds = {cfg.route_code, cfg.route_prose} if cfg.drafter == "routed" else {cfg.drafter}
+            layers = {li for k in kinds & {"block", "mtp"} for li in heads.model(k).c.target_layers}
+            self.capture = tuple(sorted(layers)) or None
         if eos_id is None:
             eos = self.target.config.eos_token_id
             eos_id = eos[0] if isinstance(eos, list) else eos
@@ -250,9 +301,9 @@ class BatchEngine:
             raise ValueError("batched decoding: no requests given")
         cfg = self.cfg
         # Margin: padded rows (rectangle mode) and a drafter's catch-up may write past a request's end.
-        max_len = max(len(r.prompt) for r in requests) + cfg.max_new_tokens + 2 * cfg.draft_len + 16
+        max_len = max(len(r.prompt) for r in requests) + cfg.max_new_tokens + 2 * verify_width(cfg) + 16
         self.cache = self.target.new_cache(self.max_batch, max_len)
-        self.dcache = self.drafter.new_cache(self.max_batch, max_len) if self.drafter else None
+        self.dcache = self.drafter.new_cache(self.max_batch, max_len) if self.use_draft_model else None
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         self.run_stats = DecodeStats()
         self.timer = PhaseTimer(self.run_stats, self.device, profile_sync)
@@ -327,19 +378,38 @@ class BatchEngine:
             if self.dcache is not None:
                 self.dcache.lengths[si] = 0
         ids, qpad, last = self._pack(ids_list, qlens)
-        logits = self.target.forward(ids, slot_ids, qpad, self.cache, advance=qlens, last_rows=last)  # [R, V]
+        out = self.target.forward(ids, slot_ids, qpad, self.cache, advance=qlens, last_rows=last,
+                                  capture=self.capture)  # [R, V]
+        logits, feats = out if self.capture else (out, None)
         first = self._select(logits).tolist()  # one host copy for the joining group
-        if self.drafter is not None:
+        if self.use_draft_model:
             self.drafter.forward(ids, slot_ids, qpad, self.dcache, advance=qlens, last_rows=last)
-        for (si, i), tok in zip(joining, first, strict=True):
+        row0 = 0
+        for (si, i), tok, q, w in zip(joining, first, qlens, qpad, strict=True):
             stats = DecodeStats(target_forwards=1)
             s = _Slot(i, list(requests[i].prompt) + [tok], len(requests[i].prompt), stats, now)
             if cfg.method == "sd" and cfg.drafter == "ngram":
                 s.ngram = NgramDrafter(cfg.ngram_max, cfg.ngram_min, self.device)
                 s.ngram.reset(requests[i].prompt)
+            if self.per_request:
+                s.proposer = self._proposer(requests[i].prompt, stats)
+                s.proposer.reset(requests[i].prompt, feats[row0 : row0 + q] if feats is not None else None)
+            row0 += w
             self._check_done(s)
             slots[si] = s
         self.timer.mark("prefill")
+
+    def _proposer(self, prompt: list[int], stats: DecodeStats) -> Proposer:
+        """A request's own proposer, as the single-request loop builds it (the router picks per request)."""
+        cfg = self.cfg
+        if cfg.drafter == "routed":
+            domain = self.heads.router().route(prompt)
+            chosen = cfg.route_code if domain == "code" else cfg.route_prose
+            stats.routes[f"{domain}:{chosen}"] += 1
+            cfg = dataclasses.replace(cfg, drafter=chosen)
+        if cfg.drafter in FEATURE_DRAFTERS:  # its own state: a shared one would mix requests' contexts
+            return self.heads.new_state(cfg.drafter, self.target.lean)
+        return make_proposer(cfg, self.drafter.lean if self.drafter else None, self.device, self.gen)
 
     def _pack(self, rows: list[list[int]], qlens: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         """Host token rows -> (ids [T], per-request widths, last real row of each request). Ragged packing
@@ -365,7 +435,8 @@ class BatchEngine:
         for i in live:
             s = slots[i]
             remaining = cfg.max_new_tokens - (len(s.tokens) - s.prompt_len)
-            cap = min(cfg.draft_len, remaining - 1) if cfg.method == "sd" else 0
+            depth = (s.proposer.depth if s.proposer is not None else None) or cfg.draft_len
+            cap = min(depth, remaining - 1) if cfg.method == "sd" else 0
             caps.append(min(cap, proposals[i]) if i in proposals else max(cap, 0))
         if not cfg.load_aware_draft:
             return caps
@@ -383,23 +454,39 @@ class BatchEngine:
         pos_of = {si: r for r, si in enumerate(rect)}
         proposals: dict[int, list[int]] = {}
         if cfg.method == "sd" and cfg.drafter == "ngram":
-            for i in live:
+            for i in live:  # asked for what the step can take, as the single-request loop asks
                 s = slots[i]
-                proposals[i] = s.ngram.lookup(s.tokens, cfg.draft_len)
+                remaining = cfg.max_new_tokens - (len(s.tokens) - s.prompt_len)
+                proposals[i] = s.ngram.lookup(s.tokens, max(1, min(cfg.draft_len, remaining - 1)))
         lens = self._draft_lens(slots, live, {i: len(p) for i, p in proposals.items()})
         k_of = dict.fromkeys(rect, 0)
         k_of.update(zip(live, lens, strict=True))
+        drafts: dict[int, Draft] = {}
+        if self.per_request:  # each request's own proposer; a tree's size is its node count
+            for i in live:
+                if k_of[i] > 0:
+                    f0 = slots[i].proposer.forwards
+                    drafts[i] = slots[i].proposer.propose(slots[i].tokens, k_of[i])
+                    slots[i].stats.drafter_forwards += slots[i].proposer.forwards - f0
+                    k_of[i] = drafts[i].size
         kmax = max(k_of.values())
         ks = [k_of[i] for i in rect]
         draft = torch.full((R, kmax), -2, dtype=torch.long, device=dev)  # [R, kmax]; -2 never matches
         qprobs = torch.zeros(R, kmax, self.vocab, device=dev) if sampled and kmax else None  # [R, kmax, V]
-        if kmax and self.drafter is not None:
+        if kmax and self.use_draft_model:
             self._draft_model(slots, rect, ks, draft, qprobs)
         elif kmax:
-            rows = [proposals.get(i, [])[: k_of[i]] for i in rect]
-            draft = torch.tensor([p + [-2] * (kmax - len(p)) for p in rows], device=dev)
+            for r, i in enumerate(rect):
+                if i in drafts:
+                    draft[r, : k_of[i]] = drafts[i].tokens
+                elif i in proposals:
+                    draft[r, : k_of[i]] = torch.tensor(proposals[i][: k_of[i]], dtype=torch.long, device=dev)
             if qprobs is not None:  # a deterministic drafter's q is one-hot
                 qprobs = F.one_hot(draft.clamp_min(0), self.vocab).float() * (draft >= 0)[..., None]
+                for r, i in enumerate(rect):
+                    if i in drafts and drafts[i].probs is not None:
+                        qprobs[r, : k_of[i]] = drafts[i].probs
+        trees = [drafts[i].tree if i in drafts else None for i in rect]
         self.timer.mark("draft")
 
         # Verify: each request feeds its last committed token and its draft.
@@ -413,7 +500,9 @@ class BatchEngine:
         else:
             flat_idx = None
             ids, qlens = full.view(-1), [W] * R
-        logits = self.target.forward(ids, rect, qlens, self.cache, advance=real)  # [T, V]
+        out = self.target.forward(ids, rect, qlens, self.cache, advance=real, capture=self.capture,
+                                  trees=[(t.depth, t.anc) if t is not None else None for t in trees])  # [T, V]
+        logits, feats = out if self.capture else (out, None)
         self.timer.mark("verify")
 
         if sampled:
@@ -427,16 +516,34 @@ class BatchEngine:
             else:
                 toks = pred.view(R, W)
             n = (draft == toks[:, :kmax]).to(torch.int64).cumprod(1).sum(1)  # [R]
-        host = torch.cat([n, toks.reshape(-1)]).tolist()  # the step's one device-to-host copy
+        # Tree drafts (greedy): each tree's accepted path on the device, read in the same host copy.
+        tree_out = [tree_result(toks[r, : 1 + t.size], t) for r, t in enumerate(trees) if t is not None]
+        host = torch.cat([n, toks.reshape(-1), *tree_out]).tolist()  # the step's one device-to-host copy
+        at = R + R * W  # where the next tree's result starts in `host`
+        first_row = (torch.cumsum(torch.tensor([0, *real[:-1]]), 0).tolist() if flat_idx is not None
+                     else [r * W for r in range(R)])  # each request's first row in the forward
         for i in live:
             r = pos_of[i]
             s, k, na = slots[i], ks[r], host[r]
-            committed = host[R + r * W : R + r * W + na + 1]
             before = len(s.tokens)
-            self.cache.lengths[i] = before + na  # keep the last committed token and the n accepted drafts
+            tree = trees[r]
+            if tree is not None:
+                na, committed, path, fed = read_tree_result(host[at : at + 2 + 3 * tree.size], tree.size)
+                at += 2 + 3 * tree.size
+                rows = [0] + [j + 1 for j in path]
+                self.cache.compact(i, before - 1, torch.tensor(rows, device=dev))  # the accepted path only
+            else:
+                committed = host[R + r * W : R + r * W + na + 1]
+                path, fed, rows = list(range(na)), [], list(range(na + 1))
+                self.cache.lengths[i] = before + na  # keep the last committed token and the n accepted drafts
             s.tokens.extend(committed)
             if self.dcache is not None and k > 0:  # the drafter saw tokens[:before] and k-1 drafts
                 self.dcache.lengths[i] = min(self.dcache.lengths[i], before + min(na, k - 1))
+            if s.proposer is not None:
+                hid = feats[first_row[r] + torch.tensor(rows, device=dev)] if feats is not None else None
+                alts0 = s.proposer.alternatives_accepted
+                s.proposer.accepted(s.tokens, Verdict(na, path, fed, hid))
+                s.stats.alternatives_accepted += s.proposer.alternatives_accepted - alts0
             s.stats.target_forwards += 1
             if k > 0:
                 s.stats.draft_steps += 1

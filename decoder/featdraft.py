@@ -481,10 +481,12 @@ class FeatureHeads:
         key = (kind, id(lean_target))
         st = self._states.get(key)
         if st is None:
-            m = self.model(kind)
-            if kind == "block":
-                st = BlockState(m, lean_target.embed, lean_target.lm_head, lean_target.max_len)
-            else:
-                st = MTPState(m, lean_target.embed, lean_target.lm_head)
-            self._states[key] = st
+            st = self._states[key] = self.new_state(kind, lean_target)
         return st
+
+    def new_state(self, kind: str, lean_target) -> BlockState | MTPState:
+        """A fresh decode-time state of drafter `kind` (one per request under batching)."""
+        m = self.model(kind)
+        if kind == "block":
+            return BlockState(m, lean_target.embed, lean_target.lm_head, lean_target.max_len)
+        return MTPState(m, lean_target.embed, lean_target.lm_head)

@@ -87,9 +87,13 @@ def greedy_tree_accept(logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     logits: [1 + N, V] at (root, nodes). Returns one tensor [2 + 2N] = (n, bonus, path [N], path_tokens [N]):
     the first n entries of `path` are the accepted nodes in depth order (the rest is padding N).
     """
+    return accept_on_pred(logits.argmax(dim=-1), tree)
+
+
+def accept_on_pred(pred: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """greedy_tree_accept on the target's argmax pred [1 + N] at (root, nodes)."""
     n_nodes = tree.size
-    dev = logits.device
-    pred = logits.argmax(dim=-1)  # [1 + N]
+    dev = pred.device
     match = tree.tokens == pred[tree.parents + 1]  # [N]: parent -1 (root) reads row 0
     ok = ~(tree.anc & ~match[None, :]).any(dim=-1)  # [N]: every node on the path matches
     path_len = tree.anc.sum(dim=-1)  # [N] = depth + 1
@@ -104,18 +108,25 @@ def greedy_tree_accept(logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     return torch.cat([n.view(1), bonus.view(1), path, tokens])
 
 
-def tree_accept(logits: torch.Tensor, tree: DraftTree) -> tuple[int, list[int], list[int], list[int]]:
-    """Greedy acceptance of a verified tree with the step's one device-to-host copy.
+def tree_result(pred: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """Greedy acceptance of a verified tree on the device: [2 + 3N] = (n, bonus, path [N], path tokens [N],
+    drafter cache slots of the path nodes [N]); `read_tree_result` reads it after the step's host copy."""
+    res = accept_on_pred(pred, tree)
+    fed = torch.cat([tree.fed, tree.fed.new_full((1,), -1)])[res[2 : 2 + tree.size]]
+    return torch.cat([res, fed])
 
-    logits: [1 + N, V] at (root, nodes). Returns (n accepted nodes, committed tokens (path + bonus),
-    path node indices in depth order, drafter cache slots of the fed path nodes).
-    """
-    m = tree.size
-    res = greedy_tree_accept(logits, tree)
-    fed = torch.cat([tree.fed, tree.fed.new_full((1,), -1)])[res[2 : 2 + m]]
-    out = torch.cat([res, fed]).tolist()  # the step's one device-to-host copy
+
+def read_tree_result(out: list[int], m: int) -> tuple[int, list[int], list[int], list[int]]:
+    """(n accepted nodes, committed tokens (path + bonus), path node indices in depth order, drafter cache
+    slots of the fed path nodes) from a tree_result of an m-node tree, copied to the host."""
     n, bonus = out[0], out[1]
     return n, [*out[2 + m : 2 + m + n], bonus], out[2 : 2 + n], [s for s in out[2 + 2 * m : 2 + 2 * m + n] if s >= 0]
+
+
+def tree_accept(logits: torch.Tensor, tree: DraftTree) -> tuple[int, list[int], list[int], list[int]]:
+    """Greedy acceptance of a verified tree (logits [1 + N, V] at root and nodes) with the step's one
+    device-to-host copy: read_tree_result's tuple."""
+    return read_tree_result(tree_result(logits.argmax(dim=-1), tree).tolist(), tree.size)
 
 
 class TreeDrafter(Proposer):

@@ -259,3 +259,100 @@ def test_cli_bad_batch_sizes_one_line_error(capsys):
     assert main(["bench", "--batch-sizes", "1,0"]) == 2
     err = capsys.readouterr().err
     assert "--batch-sizes 1,0" in err and len(err.strip().splitlines()) == 1
+
+
+# -- every bench method in the batched engine -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    """A tiny fp32 target, a drafter that agrees with it most of the time (so trees accept deep paths), and
+    random feature drafters and a router on it: lossless holds whatever the drafts are."""
+    import copy
+
+    from decoder.featdraft import BlockDrafter, BlockDrafterConfig, DomainRouter, FeatureHeads, MTPConfig, MTPHeads
+
+    target = tiny_llama(vocab=96, hidden=64, layers=2, seed=3)
+    drafter = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.003)
+    heads = FeatureHeads(None, target.config, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    heads.set_model("block", BlockDrafter(BlockDrafterConfig(64, [0, 1], 96, num_heads=2, num_kv_heads=1,
+                                                             intermediate=64, block_size=8, max_position=256)).eval())
+    heads.set_model("mtp", MTPHeads(MTPConfig(64, [1], 96, num_heads=6), target.model.norm.weight).eval())
+    heads.set_router(DomainRouter([0.0] * 96, 0.0, ("code", "prose")))
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 96, (int(n),), generator=rng).tolist()
+               for n in torch.randint(3, 30, (9,), generator=rng)]
+    return target, drafter, heads, prompts
+
+
+BATCHED_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean", "sd-tree", "sd-two-level", "sd-dcut",
+                   "sd-block", "sd-mtp", "sd-routed")
+
+
+@pytest.mark.parametrize("name", BATCHED_METHODS)
+def test_every_bench_method_is_lossless_batched(name, tiny_models):
+    """Each bench preset runs in the batched engine (per-request proposers for trees, D-cut and feature
+    drafters) token-identical to its single-request run, with the same tau, at B = 1, 4, 8, ragged or not."""
+    from decoder.generate import generate
+    from decoder.presets import preset_config
+
+    target, drafter, heads, prompts = tiny_models
+    base = DecodeConfig(max_new_tokens=24, dtype="float32", stop_at_eos=False)
+    single = [generate(preset_config(name, base), target, p, drafter, heads=heads) for p in prompts]
+    ref = [g.tokens for g in single]
+    forwards = sum(g.stats.target_forwards for g in single)
+    for b, ragged in itertools.product((1, 4, 8), (False, True)):
+        cfg = preset_config(name, base, ragged_verify=ragged)
+        run = BatchEngine(target, cfg, b, drafter, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+        assert [r.tokens for r in run.results] == ref, (name, b, ragged)
+        assert sum(r.stats.target_forwards for r in run.results) == forwards, (name, b, ragged)
+    if name in ("sd-tree", "sd-two-level"):
+        assert sum(g.stats.accepted for g in single) > 2 * len(prompts)  # deep paths were accepted and compacted
+
+
+def test_batched_feature_proposers_get_the_accepted_positions_hidden_states(tiny_models):
+    """A feature proposer under batching receives, after each step, the target's hidden states of exactly
+    the positions it accepted: checked with an oracle that drafts the reference continuation."""
+    from decoder.featdraft import FeatureHeads
+    from decoder.proposer import Draft, Proposer
+
+    target, _, _, prompts = tiny_models
+    cfg = DecodeConfig(max_new_tokens=20, dtype="float32", stop_at_eos=False, lean_forward=True, drafter="mtp",
+                       draft_len=4)
+    refs = {tuple(p): ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=20, dtype="float32",
+                                                          stop_at_eos=False)).tokens for p in prompts}
+    seen: dict[tuple, list] = {}
+
+    class Oracle(Proposer):
+        capture = (1,)
+
+        def reset(self, prompt, hidden=None):
+            self.key, self.feats = tuple(prompt), [hidden]
+            seen[self.key] = self.feats
+
+        def propose(self, tokens, k):
+            ref = refs[self.key]
+            done = len(tokens) - len(self.key)
+            return Draft(torch.tensor(ref[done : done + k], dtype=torch.long))
+
+        def accepted(self, tokens, verdict):
+            assert verdict.hidden.shape[0] == verdict.n + 1
+            self.feats.append(verdict.hidden)
+
+    heads = FeatureHeads(None, target.config, torch.float32, torch.device("cpu"))
+    heads.model = lambda kind: type("M", (), {"c": type("C", (), {"target_layers": [1]})})()
+    heads.new_state = lambda kind, lean: Oracle()
+    run = BatchEngine(target, cfg, 4, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+    lean = LeanLM(target)
+    for p, r in zip(prompts, run.results, strict=True):
+        assert r.tokens == refs[tuple(p)]
+        assert r.stats.accepted == r.stats.drafted  # the oracle is always right
+        got = torch.cat(seen[tuple(p)])  # [positions, F]: prompt, then every accepted position in order
+        _, want = lean.forward(torch.tensor(p + r.tokens[:-1]), lean.new_cache(), capture=(1,))
+        assert got.shape == want[: got.shape[0]].shape and got.shape[0] >= len(p) + len(r.tokens) - 4
+        assert torch.allclose(got, want[: got.shape[0]], atol=1e-4)

@@ -79,13 +79,17 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
     from decoder.lab.batch_bench import BATCH_DRAFTERS, format_batch_table, parse_batch_sizes, run_batch_bench
 
     drafters = tuple(d.strip() for d in args.batch_drafters.split(",")) if args.batch_drafters else BATCH_DRAFTERS
-    if drafter is None and not args.batch_drafters:
+    methods = tuple(m.strip() for m in args.batch_methods.split(",") if m.strip()) if args.batch_methods else ()
+    if methods and not args.batch_drafters:
+        drafters = ()  # the named methods (and batched AR) only
+    elif drafter is None and not args.batch_drafters:
         drafters = ("ngram",)
     report = run_batch_bench(
         target, drafter, args.prompts, args.max_new_tokens, parse_batch_sizes(args.batch_sizes),
         deployment=deployment, prompt_dir=prompt_dir, drafters=drafters, draft_len=args.draft_len,
         ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         dtype=args.dtype, device=args.device, limit=args.limit, progress=not args.quiet, repeats=args.repeats,
+        methods=methods, drafters_root=Path(args.drafters) if args.drafters else None,
     )
     print(json.dumps(report) if args.json else format_batch_table(report))
     if args.out:
@@ -216,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", help="batched AR vs batched SD at these batch sizes (e.g. 1,4,8,16), each "
                    "batching mechanism on and off, instead of the single-request methods")
     b.add_argument("--batch-drafters", help="with --batch-sizes: draft-model, ngram or both (default: both)")
+    b.add_argument("--batch-methods", help="with --batch-sizes: bench methods to run batched against batched AR "
+                   "(e.g. sd-tree,sd-two-level,sd-dcut,sd-mtp); alone, instead of the drafter x mechanism grid")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -18,11 +18,13 @@ import torch
 from tqdm import tqdm
 
 from decoder.batch import BatchEngine, BatchLM, BatchRun, Request, poisson_arrivals
-from decoder.config import DecodeConfig
+from decoder.config import FEATURE_DRAFTERS, DecodeConfig, verify_width
 from decoder.contract import near_tie
+from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 from decoder.generate import ar_generate
 from decoder.lab.bench import BenchError, first_divergence, load_prompts, noise_floor, top2_margin
 from decoder.models import check_same_tokenizer, load_causal_lm, load_tokenizer
+from decoder.presets import PRESETS, preset_config
 
 MECHANISMS = ("ragged_verify", "load_aware_draft", "continuous_batching")
 BATCH_DRAFTERS = ("draft-model", "ngram")
@@ -79,9 +81,11 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
                     drafters: tuple[str, ...] = BATCH_DRAFTERS, draft_len: int = 3, ngram_draft_len: int = 8,
                     ngram_max: int = 4, ngram_min: int = 1, dtype: str = "bfloat16", device: str = "cpu",
                     limit: int | None = None, noise_prompts: int = 4, progress: bool = True,
-                    repeats: int = 1) -> dict:
+                    repeats: int = 1, methods: tuple[str, ...] = (), drafters_root: Path | None = None) -> dict:
     """Per batch size: batched AR and batched SD tokens/s for every on/off combination of the three
-    batching mechanisms (AR with the same ragged/continuous setting: load-aware drafting has no AR twin)."""
+    batching mechanisms (AR with the same ragged/continuous setting: load-aware drafting has no AR twin);
+    and each bench method named in `methods` (a DecodeConfig preset: tree, two-level, D-cut, feature
+    drafters...) run by the batched engine, against plain batched AR."""
     if max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     if repeats < 1:
@@ -91,14 +95,36 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
         raise BenchError(f"--batch-drafters: unknown {', '.join(bad)}; choose from {', '.join(BATCH_DRAFTERS)}")
     if "draft-model" in drafters and drafter_dir is None:
         raise BenchError("--batch-drafters draft-model needs --drafter DIR (or use --batch-drafters ngram)")
+    unknown = [m for m in methods if m not in PRESETS or "w12" in m]
+    if unknown:
+        raise BenchError(f"--batch-methods: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(m for m in PRESETS if 'w12' not in m)}")
+    base0 = DecodeConfig(draft_len=draft_len)
+    method_cfgs = {m: preset_config(m, base0) for m in methods}
+    needs_model = "draft-model" in drafters or any(
+        c.method == "sd" and c.drafter in ("draft-model", "routed") for c in method_cfgs.values())
+    if needs_model and drafter_dir is None:
+        raise BenchError(f"--batch-methods {','.join(methods)} need --drafter DIR")
     prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
     if limit:
         prompts = prompts[:limit]
-    if "draft-model" in drafters:
+    if needs_model:
         check_same_tokenizer(target_dir, drafter_dir)
     tok = load_tokenizer(target_dir, "target")
     target = load_causal_lm(target_dir, "target", dtype, device)
-    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if "draft-model" in drafters else None
+    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if needs_model else None
+    heads = None
+    if any(c.drafter in FEATURE_DRAFTERS for c in method_cfgs.values()):
+        heads = FeatureHeads(drafters_root or drafters_dir(target_dir), target.config, target.dtype, target.device)
+        try:  # load now: a missing drafter is a usage error, not a crash mid-bench
+            for c in method_cfgs.values():
+                if c.drafter == "routed":
+                    heads.router()
+                for kind in ({c.route_code, c.route_prose} if c.drafter == "routed" else {c.drafter}):
+                    if kind in FEATURE_DRAFTERS:
+                        heads.model(kind)
+        except FeatureDrafterError as e:
+            raise BenchError(f"{e} (or drop the feature methods from --batch-methods)") from e
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
     bt, bd = BatchLM(target), (BatchLM(drafter) if drafter is not None else None)
@@ -106,14 +132,15 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
                         device=device)
     sd_cfgs = {d: replace(base, method="sd", drafter=d, draft_len=draft_len if d == "draft-model" else ngram_draft_len)
                for d in drafters}
-    widest = max(batch_sizes) * (max(draft_len, ngram_draft_len) + 1)
-    widths = tuple(sorted({draft_len + 1, ngram_draft_len + 1, min(widest, 64)}))
+    widest = max(batch_sizes) * max(draft_len + 1, ngram_draft_len + 1, *map(verify_width, method_cfgs.values()))
+    widths = tuple(sorted({draft_len + 1, ngram_draft_len + 1, min(widest, 64),
+                           *(verify_width(c) for c in method_cfgs.values() if verify_width(c) > 1)}))
     checker = _Checker(target, encoded, max_new_tokens, widths, noise_prompts)
     reqs = [Request(ids, 0.0, i) for i, ids in enumerate(encoded)]
 
     def timed(cfg: DecodeConfig, b: int) -> tuple[BatchRun, dict]:
-        run = BatchEngine(bt, cfg, b, bd if cfg.method == "sd" and cfg.drafter == "draft-model" else None,
-                          eos).run(reqs)
+        run = BatchEngine(bt, cfg, b, bd if cfg.method == "sd" and cfg.drafter in ("draft-model", "routed") else None,
+                          eos, heads=heads).run(reqs)
         return run, checker.check([r.tokens for r in run.results], list(range(len(reqs))))
 
     # Warm-up: one-time allocator and kernel costs, on a short run of each kind.
@@ -124,17 +151,21 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
     combos = _combos(MECHANISMS)
     ar_keys = list(itertools.product((False, True), repeat=2))  # (ragged_verify, continuous_batching)
     sd_keys = [(d, i) for d in sd_cfgs for i in range(len(combos))]
-    total = len(batch_sizes) * repeats * (len(ar_keys) + len(sd_keys))
+    m_keys = [("method", m) for m in method_cfgs]
+    total = len(batch_sizes) * repeats * (len(ar_keys) + len(sd_keys) + len(m_keys))
     bar = tqdm(total=total, desc="batch bench", file=sys.stderr, disable=not progress, dynamic_ncols=True)
-    rows = []
+    rows, method_rows = [], []
     for b in batch_sizes:
         # Every configuration runs `repeats` times, interleaved, and keeps its fastest run: load from
         # other processes on a shared machine only ever slows a run down.
         best: dict = {}
         for _ in range(repeats):
-            for key in ar_keys + sd_keys:
+            for key in ar_keys + sd_keys + m_keys:
                 if key in ar_keys:
                     cfg = replace(base, method="ar", ragged_verify=key[0], continuous_batching=key[1])
+                elif key in m_keys:
+                    cfg = replace(method_cfgs[key[1]], max_new_tokens=max_new_tokens, dtype=dtype, device=device,
+                                  ngram_max=ngram_max, ngram_min=ngram_min)
                 else:
                     cfg = replace(sd_cfgs[key[0]], **combos[key[1]])
                 run, chk = timed(cfg, b)
@@ -144,6 +175,15 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
                                       if key in best else 0)
                     best[key] = (run, {**chk, "unexplained_mismatches": unexplained})
         plain_ar = best[(False, False)][0].tokens_per_s
+        for _, m in m_keys:
+            run, chk = best[("method", m)]
+            method_rows.append({
+                "name": m, "batch_size": b, "tokens_per_s": round(run.tokens_per_s, 2),
+                "batched_ar_tokens_per_s": round(plain_ar, 2),
+                "speedup_vs_batched_ar": round(run.tokens_per_s / plain_ar, 4),
+                "tau": round(run.stats.tau, 4), "acceptance_rate": round(run.stats.acceptance_rate, 4),
+                "draft_len": method_cfgs[m].draft_len, "new_tokens": run.new_tokens, **chk,
+            })
         for d, i in sd_keys:
             mech = combos[i]
             run, chk = best[(d, i)]
@@ -180,6 +220,7 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
         "noise_floor": round(checker.floor, 6),
         "noise_widths": list(widths),
         "batch": rows,
+        "batch_methods": method_rows,
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
                    "ngram_min": ngram_min, "load_aware_fixed_rows": base.load_aware_fixed_rows,
                    "threads": torch.get_num_threads(), "repeats": repeats},
@@ -216,7 +257,12 @@ def format_batch_table(report: dict) -> str:
             lines.append(f"B={b} {d}: best {_mech_label(best['mechanisms'])} {best['sd_tokens_per_s']:.1f} tok/s "
                          f"({best['speedup_vs_plain_ar']:.2f}x plain AR) vs plain SD {plain['sd_tokens_per_s']:.1f} "
                          f"tok/s ({plain['speedup']:.2f}x)")
+    for r in report.get("batch_methods", []):
+        lines.append(f"B={r['batch_size']} {r['name']}: {r['tokens_per_s']:.1f} tok/s "
+                     f"({r['speedup_vs_batched_ar']:.2f}x batched AR), tau {r['tau']:.2f}, "
+                     f"{r['unexplained_mismatches']} unexplained")
     lossless = all(r["unexplained_mismatches"] == 0 and r["ar_unexplained_mismatches"] == 0 for r in report["batch"])
+    lossless = lossless and all(r["unexplained_mismatches"] == 0 for r in report.get("batch_methods", []))
     lines.append("every request lossless against its single-request run (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")
     return "\n".join(lines)
