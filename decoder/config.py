@@ -14,6 +14,8 @@ ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router ma
 # What a feature drafter needs: the lean forward's hidden states and chain verification (greedy or sampled:
 # its drafts are deterministic, so rejection sampling runs with a one-hot q).
 FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False}
+# What tree and two-level verification need: greedy, on the lean forward, with a draft model.
+TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "lean_forward": True, "cuda_graphs": False, "temperature": 0.0}
 DTYPES = ("bfloat16", "float32", "float16")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
@@ -188,14 +190,14 @@ class DecodeConfig:
             raise bad("two_level_alts", "use 1 to 8")
         if not 0.0 < self.dcut_threshold < 1.0:
             raise bad("dcut_threshold", "use a probability strictly between 0 and 1")
+        def require(needs: dict, key: str, why: str) -> None:
+            for k, want in needs.items():
+                if getattr(self, k) != want:
+                    raise bad(key, why.format(k=k, want=want))
+
         if self.verify != "chain":
-            needs = {"method": "sd", "drafter": "draft-model", "lean_forward": True, "cuda_graphs": False,
-                     "temperature": 0.0}
-            for key, want in needs.items():
-                if getattr(self, key) != want:
-                    raise bad("verify", f"{self.verify} verification needs {key} = {want!r} "
-                                        f"(it runs greedy on the lean forward with a draft model); set it or "
-                                        f"use verify = 'chain'")
+            require(TREE_NEEDS, "verify", f"{self.verify} verification needs {{k}} = {{want!r}} (it runs greedy on "
+                                          f"the lean forward with a draft model); set it or use verify = 'chain'")
         if self.dcut:
             if self.drafter != "draft-model":
                 raise bad("dcut", "D-cut reads the draft model's probabilities; set drafter = 'draft-model'")
@@ -205,11 +207,9 @@ class DecodeConfig:
             if getattr(self, key) not in ROUTABLE:
                 raise bad(key, f"choose one of {', '.join(ROUTABLE)}")
         if self.drafter in FEATURE_DRAFTERS and self.method == "sd":
-            for key, want in FEATURE_NEEDS.items():
-                if getattr(self, key) != want:
-                    raise bad("drafter", f"the {self.drafter} drafter reads the target's hidden states from the "
-                                         f"lean forward and verifies a chain: it needs {key} = {want!r}; set it "
-                                         f"or choose drafter = 'draft-model'")
+            require(FEATURE_NEEDS, "drafter", f"the {self.drafter} drafter reads the target's hidden states from "
+                                              f"the lean forward and verifies a chain: it needs {{k}} = {{want!r}}; "
+                                              f"set it or choose drafter = 'draft-model'")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
 

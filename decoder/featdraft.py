@@ -196,7 +196,35 @@ class BlockDrafter(nn.Module):
         return F.linear(h, lm_head)
 
 
-class BlockState(Proposer):
+class FeatureState(Proposer):
+    """A feature drafter at decode time, as a proposer of the one loop: its context is the target's hidden
+    states of the prompt and of every accepted position (`extend`), and it drafts from the last token."""
+
+    capture: tuple[int, ...]
+    device: torch.device
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def extend(self, feats: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def draft(self, last: torch.Tensor, k: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        self.clear()
+        if hidden is not None:
+            self.extend(hidden)
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return Draft(self.draft(torch.tensor(tokens[-1:], device=self.device), k))
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        self.extend(verdict.hidden)
+
+
+class BlockState(FeatureState):
     """The block drafter at decode time: its context KV cache, filled with the accepted prefix only."""
 
     name = "block"
@@ -206,6 +234,7 @@ class BlockState(Proposer):
         c = model.c
         self.m, self.c = model, c
         self.embed, self.lm_head = embed, lm_head
+        self.device = embed.device
         self.capture = tuple(c.target_layers)
         p = next(model.parameters())
         shape = (c.num_layers, c.num_kv_heads, min(max_len, c.max_position), c.head_dim)
@@ -221,16 +250,8 @@ class BlockState(Proposer):
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
-    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+    def clear(self) -> None:
         self.length = 0
-        if hidden is not None:
-            self.extend(hidden)
-
-    def propose(self, tokens: list[int], k: int) -> Draft:
-        return Draft(self.draft(torch.tensor(tokens[-1:], device=self.k.device), k))
-
-    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
-        self.extend(verdict.hidden)
 
     @torch.inference_mode()
     def extend(self, feats: torch.Tensor) -> None:
@@ -321,7 +342,7 @@ class MTPHeads(nn.Module):
         return _rms(h2, self.out_norm, eps).view(*lead, n, d)
 
 
-class MTPState(Proposer):
+class MTPState(FeatureState):
     """The MTP heads at decode time: the final hidden state of the last accepted position."""
 
     name = "mtp"
@@ -329,23 +350,16 @@ class MTPState(Proposer):
     def __init__(self, model: MTPHeads, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         self.m, self.c = model, model.c
         self.embed, self.lm_head = embed, lm_head
+        self.device = embed.device
         self.capture = tuple(model.c.target_layers)
         self.h: torch.Tensor | None = None
         self.forwards = 0
 
-    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+    def clear(self) -> None:
         self.h = None
-        if hidden is not None:
-            self.extend(hidden)
 
     def extend(self, feats: torch.Tensor) -> None:
         self.h = feats[-1]  # [D]: the last accepted position's final hidden state
-
-    def propose(self, tokens: list[int], k: int) -> Draft:
-        return Draft(self.draft(torch.tensor(tokens[-1:], device=self.h.device), k))
-
-    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
-        self.extend(verdict.hidden)
 
     @torch.inference_mode()
     def draft(self, last: torch.Tensor, k: int) -> torch.Tensor:

@@ -96,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             gen = generate(rcfg, target, prompt, drafter, heads=heads)
             ans = {"id": rid, "tokens": gen.tokens}
             if req.get("profile"):
-                st = gen.stats
-                ans["stats"] = {"phase_s": st.phase_s, "target_forwards": st.target_forwards,
-                                "new_tokens": st.new_tokens, "drafted": st.drafted, "accepted": st.accepted,
-                                "draft_steps": st.draft_steps, "wall_s": st.wall_s,
-                                **({"routes": dict(st.routes)} if st.routes else {})}
+                ans["stats"] = gen.stats.as_dict()  # the DecodeStats record, as the loop counted it
             _answer(proto, ans)
         except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
             _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})

@@ -136,24 +136,30 @@ def test_config_conflicts_merge_key_by_key(ws):
     assert not wt2.status("--porcelain", "--untracked-files=no").strip()  # the failed merge was aborted cleanly
 
 
-def test_a_branch_that_adds_a_config_key_and_a_mechanism_behind_it_is_evaluated(ws, ceiling):
-    """What an LLM agent writes: a new DecodeConfig key, code behind it, the key set in system.toml. The
-    evaluator never reads the config with the installed schema, so the cascade runs the candidate's own."""
-    make_branch(ws, "new-knob", {
-        "decoder/config.py": ('    dtype: str = "bfloat16"\n',
-                              '    dtype: str = "bfloat16"\n    fast_path: bool = False  # lean forward, renamed\n'),
-        "decoder/generate.py": ('    if cfg.weight_format == "w12" and not',
-                                '    if cfg.fast_path:\n        cfg = dataclasses.replace(cfg, lean_forward=True)\n'
-                                '    if cfg.weight_format == "w12" and not'),
-        "system.toml": ('method = "sd"', 'method = "sd"\nfast_path = true'),
-    }, "fast_path: a new knob and the mechanism behind it")
-    head = ws.head("new-knob")
-    assert ws.config_at(head)["fast_path"] is True
-    att = evaluate(ws, "new-knob", ws.stock_commit, 1.3, ceiling)
-    stages = [e.stage for e in ws.memory.list_evaluations(ws.branch("new-knob").id)]
-    assert att.status in ("keep", "discard") and "forcing" in stages and "bench" in stages, (att.reason, stages)
-    assert not att.reason.startswith("forcing:"), att.reason  # lossless: the candidate's code ran with its key
-    # Everything that reads a base with that key: directions for the tuner, the key-wise merge.
+NEW_KNOB = {
+    "decoder/config.py": ('    dtype: str = "bfloat16"\n',
+                          '    dtype: str = "bfloat16"\n    fast_path: bool = False  # lean forward, renamed\n'),
+    "decoder/generate.py": ('    if cfg.weight_format == "w12" and not',
+                            '    if cfg.fast_path:\n        cfg = dataclasses.replace(cfg, lean_forward=True)\n'
+                            '    if cfg.weight_format == "w12" and not'),
+    "system.toml": ('method = "sd"', 'method = "sd"\nfast_path = true'),
+}
+
+
+def test_a_base_with_a_key_the_installed_schema_does_not_know_is_read_planned_and_merged(ws):
+    """What an LLM agent writes: a new DecodeConfig key, code behind it, the key set in system.toml. Every
+    workbench reader of a config takes the keys it needs and passes the others through."""
+    from decoder.config import DecodeConfig, verify_width
+    from workbench.agents.tuner import candidates
+
+    make_branch(ws, "knob-base", NEW_KNOB, "fast_path: a new knob and the mechanism behind it")
+    head = ws.head("knob-base")
+    table = ws.config_at(head)
+    assert table["fast_path"] is True and verify_width(table) == 1 + table["draft_len"]
+    with pytest.raises(Exception, match="unknown key"):
+        DecodeConfig.from_table(table)  # the installed schema alone would refuse it
+    base = DecodeConfig.from_table(table, known_only=True)
+    assert candidates(base, "drafting", [])  # the tuner plans on it
     bd = {"families": {"drafting": 1.0}, "gaps": []}
     assert Loop(ws, LoopOptions(agents=1, use_global_memory=False)).directions(bd, set(), head)
     make_branch(ws, "knob-and-k", {"system.toml": ("draft_len = 3", "draft_len = 4")}, "k=4")
@@ -162,6 +168,15 @@ def test_a_branch_that_adds_a_config_key_and_a_mechanism_behind_it_is_evaluated(
     assert ok, why
     text = (ws.worktree_path("knob-merge") / "system.toml").read_text()
     assert "fast_path = true" in text and "draft_len = 4" in text
+
+
+@pytest.mark.slow  # the fast twin above covers every reader; this runs the candidate through the cascade
+def test_a_branch_that_adds_a_config_key_and_a_mechanism_behind_it_is_evaluated(ws, ceiling):
+    make_branch(ws, "new-knob", NEW_KNOB, "fast_path: a new knob and the mechanism behind it")
+    att = evaluate(ws, "new-knob", ws.stock_commit, 1.3, ceiling)
+    stages = [e.stage for e in ws.memory.list_evaluations(ws.branch("new-knob").id)]
+    assert att.status in ("keep", "discard") and "forcing" in stages and "bench" in stages, (att.reason, stages)
+    assert not att.reason.startswith("forcing:"), att.reason  # lossless: the candidate's code ran with its key
 
 
 def test_headless_never_imports_textual():

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from decoder.stats import DecodeStats
 from store import data_dir
 from workbench.harness import SystemProcess
 from workbench.progress import step
@@ -59,19 +60,15 @@ def profile_entry(sp: SystemProcess, prompts: list[Prompt], n: int, draft_len: i
     phases as the system reports them (scaled to the harness's time), for `costmodel.measured_gaps`."""
     tokens = 0
     seconds = 0.0
-    phases: dict[str, float] = {}
-    fwd = drafted = accepted = 0
+    total = DecodeStats()
     with measurement_lock():
         for p in prompts:
             r = sp.generate(p.ids, n, profile=True)
             tokens += len(r.tokens)
             seconds += r.seconds
-            st = r.stats or {}
-            for k, v in (st.get("phase_s") or {}).items():
-                phases[k] = phases.get(k, 0.0) + float(v)
-            fwd += int(st.get("target_forwards", 0))
-            drafted += int(st.get("drafted", 0))
-            accepted += int(st.get("accepted", 0))
+            total.merge(DecodeStats.from_dict(r.stats))  # the system's own account: for direction only
+    phases = dict(total.phase_s) if any(total.phase_s.values()) else {}
+    fwd, drafted, accepted = total.target_forwards, total.drafted, total.accepted
     steps = max(fwd - len(prompts), 1)
     tau = tokens / steps if fwd else 1.0
     return {"name": "base", "tokens_per_s": tokens / seconds if seconds else 0.0, "tau": tau,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from store import Memory, StoreError, global_memory_path, to_dict, workspace_memory_path
 from store.migrations import GAP_FAMILIES, MECHANISM_STATUSES
-from workbench.cli_util import fail, run_group
+from workbench.cli_util import fail, positive_int, run_group
 
 if TYPE_CHECKING:
     from store import Mechanism, Memory
@@ -167,12 +167,10 @@ def _cmd_reject(args: argparse.Namespace) -> int:
 
 def _mechanism_id(text: str) -> int:
     try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a mechanism id (an integer; see `memory list`)") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is not a mechanism id (ids start at 1)")
-    return v
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mechanism id (an integer from 1; see "
+                                         f"`memory list`)") from None
 
 
 def add_parser(subparsers) -> None:

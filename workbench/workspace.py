@@ -289,9 +289,7 @@ class Workspace:
         """Start a branch over from `base` (an interrupted attempt resumed): same store row, fresh worktree."""
         b = self.branch(name)
         wt = self.worktree_path(name)
-        if wt.exists():
-            self.repo.git.worktree("remove", "--force", str(wt))
-        self.repo.git.worktree("prune")
+        self._drop_worktree(wt)
         base_sha = self.rev(base)
         self.repo.git.worktree("add", "-B", name, str(wt), base_sha)
         self.repo.git.config(f"branch.{name}.specpilotbase", base_sha)
@@ -303,15 +301,17 @@ class Workspace:
     def head(self, name: str) -> str:
         return self.rev(name)
 
+    def _drop_worktree(self, wt: Path) -> None:
+        if wt.exists():
+            self.repo.git.worktree("remove", "--force", str(wt))
+        self.repo.git.worktree("prune")
+
     def list_branches(self) -> list[Branch]:
         return [b for b in self.memory.list_branches() if b.status != "removed"]
 
     def remove_branch(self, name: str) -> None:
         b = self.branch(name)
-        wt = self.worktree_path(name)
-        if wt.exists():
-            self.repo.git.worktree("remove", "--force", str(wt))
-        self.repo.git.worktree("prune")
+        self._drop_worktree(self.worktree_path(name))
         if name in self.repo.heads:
             self.repo.git.branch("-D", name)
         self.memory.update_branch(b.id, status="removed")

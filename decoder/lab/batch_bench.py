@@ -3,7 +3,7 @@ and a stream of requests arriving over time under continuous against static batc
 
 Every request's output is checked against its single-request greedy run (our `ar_generate` on the
 stock Hugging Face target); a divergence is explained when stock's top-2 logit margin there is below
-twice the noise floor (decoder/bench.py), measured here with verify widths up to the widest batched
+twice the noise floor (decoder/lab/bench.py), measured here with verify widths up to the widest batched
 forward, since a batched bf16 matmul may round differently from a batch-1 one.
 """
 
@@ -22,7 +22,15 @@ from decoder.config import FEATURE_DRAFTERS, DecodeConfig, verify_width
 from decoder.contract import near_tie
 from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 from decoder.generate import ar_generate
-from decoder.lab.bench import BenchError, first_divergence, load_prompts, noise_floor, top2_margin
+from decoder.lab.bench import (
+    BenchError,
+    check_known,
+    first_divergence,
+    load_bench_inputs,
+    load_prompts,
+    noise_floor,
+    top2_margin,
+)
 from decoder.models import check_same_tokenizer, load_causal_lm, load_tokenizer
 from decoder.presets import PRESETS, preset_config
 
@@ -90,29 +98,18 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
         raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     if repeats < 1:
         raise BenchError(f"--repeats {repeats}: must be at least 1")
-    bad = [d for d in drafters if d not in BATCH_DRAFTERS]
-    if bad:
-        raise BenchError(f"--batch-drafters: unknown {', '.join(bad)}; choose from {', '.join(BATCH_DRAFTERS)}")
+    check_known("--batch-drafters", drafters, BATCH_DRAFTERS)
     if "draft-model" in drafters and drafter_dir is None:
         raise BenchError("--batch-drafters draft-model needs --drafter DIR (or use --batch-drafters ngram)")
-    unknown = [m for m in methods if m not in PRESETS or "w12" in m]
-    if unknown:
-        raise BenchError(f"--batch-methods: unknown {', '.join(unknown)}; choose from "
-                         f"{', '.join(m for m in PRESETS if 'w12' not in m)}")
+    check_known("--batch-methods", methods, tuple(m for m in PRESETS if "w12" not in m))
     base0 = DecodeConfig(draft_len=draft_len)
     method_cfgs = {m: preset_config(m, base0) for m in methods}
     needs_model = "draft-model" in drafters or any(
         c.method == "sd" and c.drafter in ("draft-model", "routed") for c in method_cfgs.values())
     if needs_model and drafter_dir is None:
         raise BenchError(f"--batch-methods {','.join(methods)} need --drafter DIR")
-    prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
-    if limit:
-        prompts = prompts[:limit]
-    if needs_model:
-        check_same_tokenizer(target_dir, drafter_dir)
-    tok = load_tokenizer(target_dir, "target")
-    target = load_causal_lm(target_dir, "target", dtype, device)
-    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if needs_model else None
+    prompts_name, prompts, tok, target, drafter = load_bench_inputs(
+        target_dir, drafter_dir, needs_model, prompts_spec, prompt_dir, limit, dtype, device)
     heads = None
     if any(c.drafter in FEATURE_DRAFTERS for c in method_cfgs.values()):
         heads = FeatureHeads(drafters_root or drafters_dir(target_dir), target.config, target.dtype, target.device)

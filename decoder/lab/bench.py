@@ -118,6 +118,13 @@ class BenchError(ValueError):
     """Bad bench input; the message names the value and the fix."""
 
 
+def check_known(flag: str, values: tuple[str, ...], known: tuple[str, ...]) -> None:
+    """A BenchError naming every value of `flag` that is not in `known`, and the choices."""
+    bad = [v for v in values if v not in known]
+    if bad:
+        raise BenchError(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+
+
 @dataclass
 class Prompt:
     id: str
@@ -312,6 +319,20 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def load_bench_inputs(target_dir: Path, drafter_dir: Path | None, needs_drafter: bool, prompts_spec: str,
+                      prompt_dir: Path | None, limit: int | None, dtype: str, device: str) -> tuple:
+    """(prompt set name, prompts, tokenizer, target, drafter or None): what both benches load first."""
+    prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
+    if limit:
+        prompts = prompts[:limit]
+    if needs_drafter:
+        check_same_tokenizer(target_dir, drafter_dir)
+    tok = load_tokenizer(target_dir, "target")
+    target = load_causal_lm(target_dir, "target", dtype, device)
+    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if needs_drafter else None
+    return prompts_name, prompts, tok, target, drafter
+
+
 def run_bench(
     target_dir: Path, drafter_dir: Path | None, prompts_spec: str, max_new_tokens: int,
     deployment: str = "custom", prompt_dir: Path | None = None, methods: tuple[str, ...] = ALL_METHODS,
@@ -323,9 +344,7 @@ def run_bench(
     """Run every method on every prompt; return the JSON report (see the issue's contract)."""
     if max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    unknown = [m for m in methods if m not in KNOWN_METHODS]
-    if unknown:
-        raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
+    check_known("--methods", methods, KNOWN_METHODS)
     if REFERENCE not in methods:
         methods = (REFERENCE, *methods)  # the reference every output is checked against
     feature = feature or FeatureSettings()
@@ -333,14 +352,8 @@ def run_bench(
         "sd-routed" in methods and "draft-model" in (feature.route_code, feature.route_prose))
     if needs_drafter and drafter_dir is None:
         raise BenchError(f"{', '.join(DRAFT_MODEL_METHODS)} need --drafter DIR (or drop them with --methods)")
-    prompts_name, prompts = load_prompts(prompts_spec, prompt_dir)
-    if limit:
-        prompts = prompts[:limit]
-    if needs_drafter:
-        check_same_tokenizer(target_dir, drafter_dir)
-    tok = load_tokenizer(target_dir, "target")
-    target = load_causal_lm(target_dir, "target", dtype, device)
-    drafter = load_causal_lm(drafter_dir, "drafter", dtype, device) if needs_drafter else None
+    prompts_name, prompts, tok, target, drafter = load_bench_inputs(
+        target_dir, drafter_dir, needs_drafter, prompts_spec, prompt_dir, limit, dtype, device)
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
                        ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype, device=device)

@@ -94,6 +94,35 @@ class DemoRecipe:
     )
 
 
+
+def tick(elapsed: float, t_last: float) -> tuple[float, float]:
+    """Training wall time so far and the new mark: (elapsed + now - t_last, now)."""
+    now = time.time()
+    return elapsed + now - t_last, now
+
+
+def resume_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, label: str, total_steps: int,
+                      recipe: dict | None = None) -> tuple[int, float, list]:
+    """Load a training checkpoint into model and optimizer: (step, elapsed seconds, log). With `recipe`, a
+    checkpoint written by another recipe is refused (its weights would not be this recipe's)."""
+    state = torch.load(ckpt, weights_only=False)
+    if recipe is not None and state.get("spec") != recipe:
+        raise SystemExit(f"error: checkpoint {ckpt} was written by a different recipe; delete it or use "
+                         f"another --work-dir")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    print(f"[{label}] resuming at step {state['step']}/{total_steps}", file=sys.stderr)
+    return state["step"], state["elapsed"], state["log"]
+
+
+def save_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, elapsed: float,
+                    log: list, recipe: dict | None = None) -> None:
+    """Write a training checkpoint atomically (a kill mid-write leaves the previous one)."""
+    tmp = ckpt.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed, "log": log,
+                **({"spec": recipe} if recipe is not None else {})}, tmp)
+    os.replace(tmp, ckpt)
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -247,17 +276,10 @@ def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, wor
         prev = torch.load(init, weights_only=False)["model"]
         model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in prev.items()})
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed, log = state["step"], state["elapsed"], state["log"]
-        print(f"[{spec.name}] resuming at step {step}/{spec.steps}", file=sys.stderr)
+        step, elapsed, log = resume_checkpoint(ckpt, model, opt, spec.name, spec.steps)
 
     def save_ckpt() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                    "log": log}, tmp)
-        os.replace(tmp, ckpt)
+        save_checkpoint(ckpt, model, opt, step, elapsed, log)
 
     n_params = sum(p.numel() for p in model.parameters())
     model.train()
@@ -285,9 +307,7 @@ def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, wor
             loss = kd + spec.distill_ce_weight * ce
         optimizer_step(model, opt, loss)
         step += 1
-        now = time.time()
-        elapsed += now - t_last
-        t_last = now
+        elapsed, t_last = tick(elapsed, t_last)
         if step % 10 == 0:
             log.append({"step": step, "loss": round(loss.item(), 4), "ce": round(ce.item(), 4)})
         bar.set_postfix(loss=f"{loss.item():.3f}", ce=f"{ce.item():.3f}")

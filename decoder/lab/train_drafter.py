@@ -47,7 +47,14 @@ from decoder.featdraft import (
     save_feature_drafter,
 )
 from decoder.lab.corpus import all_documents, make_prompt, split_of
-from decoder.lab.train import _atomic_write_text, _lr_at, optimizer_step
+from decoder.lab.train import (
+    _atomic_write_text,
+    _lr_at,
+    optimizer_step,
+    resume_checkpoint,
+    save_checkpoint,
+    tick,
+)
 
 
 @dataclass
@@ -217,6 +224,16 @@ def _mtp_inputs(feats: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, d:
     return h, e, y
 
 
+def _batch_logits(model, spec, seqs: np.ndarray, feats_of, idx: np.ndarray, rng: np.random.Generator, embed,
+                  lm_head, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets of the windows `idx` (anchors drawn from `rng`), under bf16 autocast."""
+    tokens = torch.from_numpy(seqs[idx].astype(np.int64))
+    feats = feats_of.rows(idx)
+    pos = _positions(spec, rng, len(idx), seqs.shape[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _logits(model, spec, feats, tokens, pos, embed, lm_head, d)
+
+
 def _logits(model, spec: DrafterSpec, feats, tokens, pos, embed, lm_head, d: int):
     """(logits [B, N, k, V], targets [B, N, k]) for a batch."""
     if spec.kind == "block":
@@ -236,11 +253,7 @@ def evaluate(model, spec: DrafterSpec, val, embed, lm_head, d: int) -> dict:
     hits = []
     for i in range(0, len(seqs), 16):
         idx = np.arange(i, min(len(seqs), i + 16))
-        tokens = torch.from_numpy(seqs[idx].astype(np.int64))
-        feats = feats_of.rows(idx)
-        pos = _positions(spec, rng, len(idx), seqs.shape[1])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits, y = _logits(model, spec, feats, tokens, pos, embed, lm_head, d)
+        logits, y = _batch_logits(model, spec, seqs, feats_of, idx, rng, embed, lm_head, d)
         hits.append((logits.argmax(-1) == y).reshape(-1, y.shape[-1]))
     model.train()
     h = torch.cat(hits).float()  # [blocks, k]
@@ -296,20 +309,10 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
     ckpt = work / f"{spec.kind}-s{spec.seed}.ckpt.pt"
     step, elapsed, log = 0, 0.0, []
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        if state.get("spec") != asdict(spec):
-            raise SystemExit(f"error: checkpoint {ckpt} was written by a different recipe; delete it or use "
-                             f"another --work-dir")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed, log = state["step"], state["elapsed"], state["log"]
-        print(f"[{spec.kind}] resuming at step {step}/{spec.steps}", file=sys.stderr)
+        step, elapsed, log = resume_checkpoint(ckpt, model, opt, spec.kind, spec.steps, asdict(spec))
 
     def save_ckpt() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                    "log": log, "spec": asdict(spec)}, tmp)
-        os.replace(tmp, ckpt)
+        save_checkpoint(ckpt, model, opt, step, elapsed, log, asdict(spec))
 
     seqs, shards, sizes = data["train"]
     feats_of = _Feats(shards, sizes)
@@ -327,19 +330,13 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
             g["lr"] = _lr_at(spec, step)  # the demo recipe's schedule (same fields)
         rng = np.random.default_rng([spec.seed, step, 1])
         idx = np.sort(rng.choice(len(seqs), size=spec.batch_size, replace=False))
-        tokens = torch.from_numpy(seqs[idx].astype(np.int64))
-        feats = feats_of.rows(idx)
-        pos = _positions(spec, rng, len(idx), seqs.shape[1])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits, y = _logits(model, spec, feats, tokens, pos, embed, lm_head, d)
+        logits, y = _batch_logits(model, spec, seqs, feats_of, idx, rng, embed, lm_head, d)
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         ce = ce.view(-1, y.shape[-1])
         loss = (ce * slot_w).mean() if slot_w is not None else ce.mean()
         optimizer_step(model, opt, loss)
         step += 1
-        now = time.time()
-        elapsed += now - t_last
-        t_last = now
+        elapsed, t_last = tick(elapsed, t_last)
         if step % 10 == 0:
             log.append({"step": step, "loss": round(loss.item(), 4),
                         "acc1": round((logits[..., 0, :].argmax(-1) == y[..., 0]).float().mean().item(), 4)})

@@ -38,6 +38,20 @@ class EditBlock:
     replace: str
 
 
+def _part(lines: list[str], i: int, end: re.Pattern, wrong: tuple[re.Pattern, ...], where: str, marker: str,
+          missing: str) -> tuple[list[str], int]:
+    """The lines of a block's part from line i up to the `end` marker, and the index after the marker."""
+    part: list[str] = []
+    while i < len(lines) and not end.match(lines[i]):
+        if any(r.match(lines[i]) for r in wrong):
+            raise EditError(f"{where}: expected {marker} before {lines[i].strip()!r}")
+        part.append(lines[i])
+        i += 1
+    if i == len(lines):
+        raise EditError(f"{where}: no {marker} line {missing}")
+    return part, i + 1
+
+
 def parse_blocks(text: str) -> list[EditBlock]:
     """The SEARCH/REPLACE blocks in `text`, in order; anything between blocks (a fence, prose) is ignored."""
     blocks: list[EditBlock] = []
@@ -51,27 +65,10 @@ def parse_blocks(text: str) -> list[EditBlock]:
             i += 1
             continue
         n = len(blocks) + 1
-        start = i
-        i += 1
-        search: list[str] = []
-        while i < len(lines) and not DIVIDER_RE.match(lines[i]):
-            if SEARCH_RE.match(lines[i]) or REPLACE_RE.match(lines[i]):
-                raise EditError(f"block {n} (line {start + 1}): expected '=======' before {lines[i].strip()!r}")
-            search.append(lines[i])
-            i += 1
-        if i == len(lines):
-            raise EditError(f"block {n} (line {start + 1}): no '=======' line after the SEARCH part")
-        i += 1
-        replace: list[str] = []
-        while i < len(lines) and not REPLACE_RE.match(lines[i]):
-            if SEARCH_RE.match(lines[i]) or DIVIDER_RE.match(lines[i]):
-                raise EditError(f"block {n} (line {start + 1}): expected '>>>>>>> REPLACE' before "
-                                f"{lines[i].strip()!r}")
-            replace.append(lines[i])
-            i += 1
-        if i == len(lines):
-            raise EditError(f"block {n} (line {start + 1}): no '>>>>>>> REPLACE' line to close it")
-        i += 1
+        where = f"block {n} (line {i + 1})"
+        search, i = _part(lines, i + 1, DIVIDER_RE, (SEARCH_RE, REPLACE_RE), where, "'======='",
+                          "after the SEARCH part")
+        replace, i = _part(lines, i, REPLACE_RE, (SEARCH_RE, DIVIDER_RE), where, "'>>>>>>> REPLACE'", "to close it")
         blocks.append(EditBlock("".join(search), "".join(replace)))
     if not blocks:
         raise EditError("no SEARCH/REPLACE block found; write '<<<<<<< SEARCH', the old lines, '=======', "
