@@ -256,8 +256,10 @@ def test_auto_resumes_the_round_it_was_killed_in(tmp_path):
     assert proc.poll() is None, "the loop ended before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    state = json.loads((w.path / ".specpilot" / "loop.json").read_text())
-    assert state["current_round"]["index"] == 1
+    # The loop's state is the store: the round it was killed in is the running one.
+    running = sqlite3.connect(db).execute("SELECT summary FROM rounds WHERE status = 'running'").fetchall()
+    assert [json.loads(r[0])["index"] for r in running] == [1]
+    assert not (w.path / ".specpilot" / "loop.json").exists()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
     assert "resuming" in r.stderr

@@ -638,9 +638,11 @@ def test_main_refuses_a_folder_that_is_not_a_workspace(tmp_path, capsys):
 
 def test_demo_workspace_is_created_on_first_run(monkeypatch, tmp_path):
     from workbench.tui.app import make_app
+    from workbench.workspace import default_demo_path
 
-    path = tmp_path / "data" / "demo"
-    monkeypatch.setattr("workbench.workspace.default_demo_path", lambda: path)
+    monkeypatch.setenv("SPECPILOT_DATA_DIR", str(tmp_path / "data"))
+    path = default_demo_path()  # where a first run creates the demo: under the user's data directory
+    assert path == tmp_path / "data" / "workspaces" / "demo"
 
     async def go():
         app = make_app(demo_options={"prompt_limit": 3, "hidden": 1, "forcing_max_new_tokens": 8}, blink=False)

@@ -34,6 +34,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     from decoder.models import ModelLoadError, demo_deployment
 
+    if args.out and not Path(args.out).absolute().parent.is_dir():  # before minutes of measurement, not after
+        return fail(f"--out {args.out}: folder {Path(args.out).absolute().parent} does not exist; create it or "
+                    f"pick another path")
     quiet_transformers()
 
     try:
@@ -64,12 +67,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     except (BenchError, ModelLoadError, ConfigError) as e:
         return fail(str(e))
+    if args.out:  # first: minutes of measurement are never lost to a display problem
+        Path(args.out).write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))
     else:
         print(format_table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 
 
@@ -91,9 +94,9 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
         dtype=args.dtype, device=args.device, limit=args.limit, progress=not args.quiet, repeats=args.repeats,
         methods=methods, drafters_root=Path(args.drafters) if args.drafters else None,
     )
-    print(json.dumps(report) if args.json else format_batch_table(report))
-    if args.out:
+    if args.out:  # first: minutes of measurement are never lost to a display problem
         Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report) if args.json else format_batch_table(report))
     return 0
 
 

@@ -19,7 +19,10 @@ import shlex
 from pathlib import Path
 
 from workbench.cli_util import fail, positive_int, quiet_transformers
+from workbench.export import export
+from workbench.loop import Loop, LoopOptions
 from workbench.tui_entry import EXIT_BUDGET, EXIT_OK, _progress, run_headless
+from workbench.workspace import Workspace, WorkspaceError, init_demo
 
 DEFAULT_WORKSPACE = "build/demo-workspace"
 PATCH_DIR = "patches"  # under the workspace's .specpilot/ state: never committed, never seen by agents
@@ -67,9 +70,6 @@ def summary_lines(ws, summary: dict, patches: list[Path]) -> list[str]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from workbench.export import export
-    from workbench.loop import Loop, LoopOptions
-    from workbench.workspace import Workspace, WorkspaceError, init_demo
 
     if not args.budget_minutes > 0 or args.budget_minutes == float("inf"):
         return fail(f"--budget-minutes {args.budget_minutes:g}: must be a positive number of minutes")

@@ -46,7 +46,10 @@ from decoder.config import ConfigError, DecodeConfig, dump_table, read_table, ve
 from decoder.mechanisms import REGISTRY
 from store import Memory, global_memory_path
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
-from workbench.cascade import Attempt, bench_cpus, evaluate, timing_prompts
+from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
+from workbench.agents.tuner import TunerAgent, candidates
+from workbench.cascade import Attempt, bench_cpus, evaluate, smoke_run, timing_prompts
+from workbench.export import record_mechanism
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import load_prompts, paired_bench, profile_entry
 from workbench.memory_cli import publish_verdict
@@ -54,6 +57,7 @@ from workbench.progress import step, tracking
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
 BASE_BRANCH = "base"
+MEASURE_PREFIX = "loop:"  # bench_runs method of the loop's paired measurements over AR ("loop:stock", "loop:final")
 AR_BRANCH = "reference-ar"  # stock with method = "ar": the baseline every speedup over AR is measured against
 
 
@@ -102,9 +106,9 @@ class Loop:
         self.progress = progress or (lambda msg: None)
         self.executor = executor
         self.t0 = time.monotonic()
-        self.state_path = ws.state / "loop.json"
-        self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.dep_id = ws.deployment_id()
+        self._ceiling: float | None = None  # this session's plausibility ceiling, once announced
+        self._transfer_tried = False  # this session tried the mechanisms other deployments accepted
         self.steering: dict[str, Any] = {}  # branch -> queue, for the TUI
         self.stops: dict[str, Any] = {}
         self._hardware = None  # this session's hardware profile, once known
@@ -115,10 +119,47 @@ class Loop:
         self.progress(msg)
         self.ws.memory.record_event(kind, msg, payload or {})
 
-    def _save_state(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        os.replace(tmp, self.state_path)
+    # -- state: everything is derived from the store (rounds and their summaries, measurements) -----------
+
+    def rounds(self) -> list:
+        """This deployment's loop rounds (not the manual round of hand-made branches), oldest first."""
+        return [r for r in self.ws.memory.list_rounds(self.dep_id) if "index" in r.summary]
+
+    def measured(self, label: str, commit: str) -> dict | None:
+        """The latest paired measurement over AR of `commit` under `label` ("stock", "final"), if any."""
+        for r in reversed(self.ws.memory.list_bench_runs(self.dep_id, f"{MEASURE_PREFIX}{label}")):
+            if r.config.get("commit") == commit:
+                return r.report
+        return None
+
+    def base_speedup_over_ar(self) -> float:
+        """The current base's speedup over AR: the last finished round's, else stock's, else 1."""
+        done = [r for r in self.rounds() if r.status == "done" and r.summary.get("best_speedup_over_ar")]
+        if done:
+            return float(done[-1].summary["best_speedup_over_ar"])
+        stock = self.measured("stock", self.ws.stock_commit)
+        return float(stock["speedup"]) if stock else 1.0
+
+    def exhausted(self) -> set[str]:
+        """Families explored without a gain since the base last moved."""
+        out: set[str] = set()
+        for r in self.rounds():
+            if r.status != "done":
+                continue
+            integ = r.summary.get("integration") or {}
+            if integ.get("commit") and integ["commit"] != r.summary.get("base_commit"):
+                out = set()
+            else:
+                out |= {d["family"] for d in r.summary.get("directions", [])}
+        return out
+
+    def transfer_tried(self) -> bool:
+        return self._transfer_tried or any(r.summary.get("transfer_tried") for r in self.rounds())
+
+    def session_ceiling(self) -> float:
+        if self._ceiling is None:
+            self._ceiling = self.ceiling()
+        return self._ceiling
 
     def minutes(self) -> float:
         return (time.monotonic() - self.t0) / 60
@@ -152,9 +193,12 @@ class Loop:
         n = self.ws.config.forcing_max_new_tokens
         with run_system(self.ws, ar_wt, "ar") as a, run_system(self.ws, wt, label) as b:
             res = paired_bench(a, b, prompts, n, cpus=bench_cpus(self.ws))
+        out = {"commit": commit, **res.as_dict()}
         self.say(f"{label}: {res.line()} over AR ({res.b_tokens_per_s:.1f} vs {res.a_tokens_per_s:.1f} tok/s)",
-                 "loop.measure", {"label": label, "commit": commit, **res.as_dict()})
-        return {"commit": commit, **res.as_dict()}
+                 "loop.measure", {"label": label, **out})
+        self.ws.memory.add_bench_run(self.dep_id, f"{MEASURE_PREFIX}{label}", config={"commit": commit},
+                                     tokens_per_s=res.b_tokens_per_s, speedup=res.speedup, report=out)
+        return out
 
     def hardware(self):
         """The deployment's hardware profile. This machine's (`cpu-local`) is measured (3 runs, the
@@ -266,7 +310,6 @@ class Loop:
             if self.opts.agent == "tuner" and not mechs and not memory:
                 continue  # the tuner has nothing to turn for this family
             if base_cfg is not None:
-                from workbench.agents.tuner import candidates
 
                 if not candidates(base_cfg, fam, memory):
                     continue  # every mechanism of the family is already on in the base: no agent slot for it
@@ -275,7 +318,7 @@ class Loop:
         # families where other deployments already found something go first among equals
         out.sort(key=lambda d: (not d.memory, -d.gap_ms))
         out = out[: self.opts.agents]
-        if out and out[0].memory and not self.state.get("transfer_tried"):
+        if out and out[0].memory and not self.transfer_tried():
             # First contact with what other deployments learned: the first agent also tries every
             # accepted mechanism of the gap families together (the tuner composes them), not one
             # family per round.
@@ -286,7 +329,7 @@ class Loop:
                 first = out[0]
                 out[0] = Direction(first.family, first.gap_ms, first.summary + "; transfer: composes the "
                                    "mechanisms accepted elsewhere", first.mechanisms, first.memory + extra)
-            self.state["transfer_tried"] = True
+            self._transfer_tried = True
         return out
 
     def _memory_for(self, family: str) -> list[dict]:
@@ -309,18 +352,15 @@ class Loop:
 
     def make_agent(self) -> Agent:
         if self.opts.agent == "tuner":
-            from workbench.agents.tuner import TunerAgent
 
             return TunerAgent(self.ws)
         if self.opts.agent == "llm":
-            from workbench.agents.llm import LLMAgent
 
             return LLMAgent(llm_config(self.ws, self.opts.llm))
         raise WorkspaceError(f"--agent {self.opts.agent}: unknown; use tuner or llm")
 
     def _smoke(self, branch: str) -> Callable[[], SmokeResult]:
         def smoke() -> SmokeResult:
-            from workbench.cascade import smoke_run
 
             ok, msg = smoke_run(self.ws, self.ws.worktree_path(branch), branch)
             return SmokeResult(ok, msg)
@@ -363,8 +403,6 @@ class Loop:
             base = rnd.base_commit or base
             self.say(f"round {index}: resuming ({len(summary.get('attempts', []))} attempts already done)")
         summary["round_id"] = rnd.id
-        self.state["current_round"] = {"index": index, "round_id": rnd.id}
-        self._save_state()
 
         if "gaps" not in summary:
             self.say(f"round {index}: profiling base {base[:10]}")
@@ -374,10 +412,10 @@ class Loop:
         bd = gaps["breakdown"]
         top = ", ".join(f"{g['family']} {g['ms_per_token']:.2f}" for g in bd["gaps"][:4])
         self.say(f"round {index}: base {gaps['entry']['tokens_per_s']:.1f} tok/s; largest gaps (ms/token): {top}")
-        exhausted = set(self.state.get("exhausted", []))
         if "directions" not in summary:
-            dirs = self.directions(bd, exhausted, base)
+            dirs = self.directions(bd, self.exhausted(), base)
             summary["directions"] = [d.as_dict() for d in dirs]
+            summary["transfer_tried"] = self._transfer_tried
             self.ws.memory.update_round(rnd.id, summary=summary)
         dirs = [Direction(**d) for d in summary["directions"]]
         if not dirs:
@@ -385,9 +423,9 @@ class Loop:
         done = {a["branch"] for a in summary["attempts"]}
         visible = self.visible_prompts()
         agent = self.make_agent()
-        base_ar = self.state.get("base_speedup_over_ar", 1.0)
-        ceiling = self.state.get("ceiling") or self.ceiling()
-        self.state["ceiling"] = ceiling
+        base_ar = summary.setdefault("base_speedup_over_ar", self.base_speedup_over_ar())
+        ceiling = summary.setdefault("ceiling", self.session_ceiling())  # one ceiling for the whole round
+        self.ws.memory.update_round(rnd.id, summary=summary)
 
         todo = []
         for d in dirs:
@@ -418,19 +456,13 @@ class Loop:
             summary["integration"] = self.integrate(index, rnd.id, base, kept, base_ar, ceiling)
             self.ws.memory.update_round(rnd.id, summary=summary)
         integ = summary["integration"]
+        summary["best_speedup_over_ar"] = base_ar
         if integ["commit"] != base:
             self.ws.repo.git.branch("-f", BASE_BRANCH, integ["commit"])
             for name in integ.get("merged", []):  # now part of base: no longer a candidate of its own
                 self.ws.memory.update_branch(self.ws.branch(name).id, status="merged")
-            self.state["base_speedup_over_ar"] = base_ar * integ["speedup"]
-            self.state["exhausted"] = []
-        else:
-            self.state["exhausted"] = sorted(exhausted | {d.family for d in dirs})
-        summary["best_speedup_over_ar"] = self.state.get("base_speedup_over_ar", base_ar)
+            summary["best_speedup_over_ar"] = base_ar * integ["speedup"]
         self.ws.memory.update_round(rnd.id, status="done", summary=summary)
-        self.state.pop("current_round", None)
-        self.state.setdefault("rounds_done", []).append(rnd.id)
-        self._save_state()
         return summary
 
     def visible_prompts(self) -> list[dict]:
@@ -471,8 +503,8 @@ class Loop:
             d = Direction(family, ms, f"{family}: {ms:.3f} ms/token (chosen by the engineer)")
         res = self._run_agent(agent, branch, d, gaps, self.visible_prompts())
         self.say(f"{branch}: agent: {res.message}", "loop.agent", {"branch": branch, "committed": res.committed})
-        ceiling = (self.state.get("ceiling") or self.ceiling()) if res.committed else 0.0
-        att = self._attempt(branch, d, agent.name, res, base, float(self.state.get("base_speedup_over_ar", 1.0)),
+        ceiling = self.session_ceiling() if res.committed else 0.0
+        att = self._attempt(branch, d, agent.name, res, base, self.base_speedup_over_ar(),
                             ceiling)
         att["base_commit"] = base
         return att
@@ -543,7 +575,6 @@ class Loop:
         return chosen
 
     def _record(self, a: dict, base: str, index: int) -> None:
-        from workbench.export import record_mechanism
 
         ev = {"deployment": self.ws.config.name, "speedup": a["speedup"], "speedup_over_ar": a.get("speedup_over_ar"),
               "round": index, "branch": a["branch"], "forcing": "clean", "config": a.get("config") or {}}
@@ -565,38 +596,31 @@ class Loop:
         status = "done"
         rounds: list[dict] = []
         try:
-            if "stock" not in self.state:
+            if self.measured("stock", self.ws.stock_commit) is None:
                 self._check_budget("measuring stock")
-                self.state["stock"] = self.speedup_over_ar(self.ws.stock_commit, "stock")
-                self.state["base_speedup_over_ar"] = self.state["stock"]["speedup"]
-                self._save_state()
-            prior = [r for r in self.ws.memory.list_rounds(self.dep_id) if r.status in ("done", "running")
-                     and "index" in r.summary]
+                self.speedup_over_ar(self.ws.stock_commit, "stock")
+            prior = [r for r in self.rounds() if r.status in ("done", "running")]
             for r in prior:
                 if r.status == "done":
                     rounds.append(r.summary)
             start = max((r.summary["index"] for r in prior), default=0)
-            current = self.state.get("current_round")
-            if current:
-                rounds.append(self.run_round(current["index"], resume=current))
-                start = current["index"]
+            for r in prior:  # a round the loop was killed in: finished, not restarted
+                if r.status == "running":
+                    rounds.append(self.run_round(r.summary["index"], resume={"round_id": r.id}))
+                    start = max(start, r.summary["index"])
             for index in range(start + 1, self.opts.rounds + 1):
                 rounds.append(self.run_round(index))
         except BudgetExhausted as e:
             status = "budget"
             self.say(str(e))
         final = self.base_commit()
-        if "stock" not in self.state:  # the budget ended before anything was measured
-            final_m = {"speedup": None, "ci95": None}
+        stock = self.measured("stock", self.ws.stock_commit)
+        if stock is None:  # the budget ended before anything was measured
+            stock = final_m = {"speedup": None, "ci95": None}
         elif final == self.ws.stock_commit:
-            final_m = self.state["stock"]
-        elif self.state.get("final", {}).get("commit") == final:
-            final_m = self.state["final"]
+            final_m = stock
         else:
-            final_m = self.speedup_over_ar(final, "final")
-            self.state["final"] = final_m
-            self._save_state()
-        stock = self.state.get("stock", {"speedup": None, "ci95": None})
+            final_m = self.measured("final", final) or self.speedup_over_ar(final, "final")
         accepted = [{"id": m.id, "name": m.name, "family": m.gap_family, "uid": m.uid,
                      "speedup": next((e.get("speedup") for e in m.evidence), None)}
                     for m in self.ws.memory.list_mechanisms(status="accepted")]
@@ -613,7 +637,9 @@ class Loop:
                         "attempts": [{k: a.get(k) for k in ("branch", "agent", "direction", "status", "reason",
                                                             "speedup", "speedup_over_ar", "mechanism")}
                                      for a in r.get("attempts", [])]} for r in rounds],
-            "accepted_mechanisms": accepted, "ceiling": self.state.get("ceiling"),
+            "accepted_mechanisms": accepted,
+            "ceiling": self._ceiling or next((r.summary.get("ceiling") for r in reversed(self.rounds())
+                                              if r.summary.get("ceiling")), None),
             "minutes": round(self.minutes(), 2),
             "best_round": best_round(rounds, final, self.ws.stock_commit),
         }
@@ -622,7 +648,6 @@ class Loop:
 def llm_config(ws: Workspace, override: dict | None = None):
     """The LLM agent's endpoint: `override`, else the workspace's [llm] table, the environment filling
     gaps; an error names the file to edit."""
-    from workbench.agents.llm import LLMConfig, LLMConfigError
 
     try:
         return LLMConfig.load(override or ws.config.llm or None)

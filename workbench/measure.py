@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from decoder.stats import DecodeStats
 from store import data_dir
+from workbench.forcing import forcing_prompt_texts
 from workbench.harness import SystemProcess
 from workbench.progress import step
 
@@ -185,7 +186,6 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
 def load_prompts(ws, which: str = "visible") -> list[Prompt]:
     """The workspace's visible forcing prompts, tokenized (agents and benchmarks never get the hidden ones)."""
     from decoder.models import load_tokenizer
-    from workbench.forcing import forcing_prompt_texts
 
     tok = load_tokenizer(ws.config.tokenizer)
     return [Prompt(pid, tok(text, add_special_tokens=False)["input_ids"])

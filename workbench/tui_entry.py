@@ -26,7 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from workbench.agents.llm import LLMConfigError
 from workbench.cli_util import OneLineParser, fail, positive_int, quiet_transformers
+from workbench.loop import Loop, LoopOptions, llm_config
+from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
 
 EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 2, 3, 4, 5
 T = TypeVar("T")
@@ -67,8 +70,6 @@ def _table(s: dict) -> str:
 
 
 def run_auto(args: argparse.Namespace) -> int:
-    from workbench.loop import Loop, LoopOptions, llm_config
-    from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
 
     if args.budget_minutes <= 0:
         return fail(f"--budget-minutes {args.budget_minutes:g}: must be positive")
@@ -86,7 +87,6 @@ def run_auto(args: argparse.Namespace) -> int:
     opts = LoopOptions(rounds=args.rounds, agents=args.agents, agent=args.agent, budget_minutes=args.budget_minutes,
                        use_global_memory=not args.no_global_memory, auto_accept=True)
     if opts.agent == "llm":  # fail now, in one line, rather than inside every agent
-        from workbench.agents.llm import LLMConfigError
 
         try:
             llm_config(ws)
@@ -103,7 +103,6 @@ def run_auto(args: argparse.Namespace) -> int:
 def run_headless(ws, body: Callable[[], T], what: str) -> tuple[int, T | None]:
     """Run `body` under the headless exit contract, then close the workspace: (EXIT_OK, its result), or
     the exit status with one line on stderr (interrupted: resumable; a workspace error; anything else)."""
-    from workbench.workspace import WorkspaceError
 
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -13,19 +13,20 @@ from pathlib import Path
 
 from store import NotFound, StoreError, to_dict
 from workbench.cli_util import fail, quiet_transformers, run_group
+from workbench.export import export, record_mechanism
+from workbench.forcing import force, format_report
 from workbench.harness import SystemCrash
+from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
 
 EXIT_MISMATCH, EXIT_CRASH = 1, 3
 
 
 def _workspace(args: argparse.Namespace):
-    from workbench.workspace import Workspace, default_demo_path
 
     return Workspace(Path(args.workspace) if args.workspace else default_demo_path())
 
 
 def _errors():
-    from workbench.workspace import WorkspaceError
 
     return (WorkspaceError, StoreError, NotFound, SystemCrash)
 
@@ -34,7 +35,6 @@ def _cmd_init(args: argparse.Namespace) -> int:
     if args.what != "demo":
         return fail(f"init {args.what}: unknown; available: demo (a workspace for your own system: copy the "
                     f"demo's specpilot.toml and point it at your models and entry point)")
-    from workbench.workspace import init_demo
 
     try:
         ws = init_demo(args.path, prompts=args.prompts, name=args.name)
@@ -69,7 +69,6 @@ def _cmd_branch(args: argparse.Namespace) -> int:
             done = ws.recover()
             print(json.dumps(done) if args.json else ("\n".join(done) or "nothing to recover"))
         elif args.action == "record":
-            from workbench.export import record_mechanism
 
             if not (args.name and args.mechanism and args.family):
                 return fail("branch record needs NAME, --mechanism NAME and --family FAMILY")
@@ -81,7 +80,6 @@ def _cmd_branch(args: argparse.Namespace) -> int:
 
 
 def _cmd_force(args: argparse.Namespace) -> int:
-    from workbench.forcing import force, format_report
 
     quiet_transformers()
     try:
@@ -94,7 +92,6 @@ def _cmd_force(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from workbench.export import export
 
     if not (args.accepted or args.mechanism):
         return fail("export needs --accepted or --mechanism ID")

@@ -241,10 +241,11 @@ def format_batch_table(report: dict) -> str:
              f"{r['sd_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['speedup_vs_plain_ar']:.2f}x",
              f"{r['tau']:.2f}", f"{r['mean_draft_len']:.2f}", str(r["unexplained_mismatches"]))
             for r in report["batch"]]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    lines = [head]
+    if rows:  # the drafter x mechanism grid (absent when only --batch-methods ran)
+        lines += ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)), "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     for b in sorted({r["batch_size"] for r in report["batch"]}):
         at = [r for r in report["batch"] if r["batch_size"] == b]
         for d in sorted({r["drafter"] for r in at}):

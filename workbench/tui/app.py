@@ -46,6 +46,7 @@ from workbench.harness import cancel_branch as kill_branch_systems
 from workbench.tui import data
 from workbench.tui.screens import ConfirmScreen, KeysScreen, LaunchScreen, TextInputScreen, TextViewScreen
 from workbench.tui.widgets import BranchesPane, ForcingPane, LogPane, MemoryPane, OverviewPane
+from workbench.workspace import Workspace, default_demo_path, init_demo
 
 TABS = (("overview", "Overview"), ("branches", "Branches"), ("forcing", "Forcing"), ("memory", "Memory"),
         ("log", "Log"))
@@ -275,7 +276,6 @@ class SpecPilotApp(App[int]):
 
     @work(thread=True, exclusive=True, group="open", exit_on_error=False, name="open workspace")
     def open_workspace(self) -> None:
-        from workbench.workspace import Workspace, init_demo
 
         path = self.workspace_path
         if self.create_demo and not (path / "specpilot.toml").exists():
@@ -771,7 +771,6 @@ def make_app(workspace: str | Path | None = None, *, demo_options: dict | None =
              blink: bool = True) -> SpecPilotApp:
     """The app for a workspace; with none, the demo workspace (created on first run)."""
     if workspace is None:
-        from workbench.workspace import default_demo_path
 
         return SpecPilotApp(default_demo_path(), create_demo=True, demo_options=demo_options, poll_s=poll_s,
                             blink=blink)

@@ -22,6 +22,12 @@ import git
 from decoder.config import DecodeConfig
 from store import Event, ForcingReport, Mechanism
 from store.migrations import GAP_FAMILIES
+from workbench.agents.base import AgentResult, Direction
+from workbench.agents.llm import LLMConfigError
+from workbench.agents.tuner import candidates
+from workbench.export import export, record_mechanism
+from workbench.forcing import force
+from workbench.loop import MEASURE_PREFIX, Loop, LoopOptions, llm_config, merge_branch
 from workbench.memory_cli import publish_verdict
 from workbench.progress import describe, read_progress, tracking
 from workbench.safegit import worktree_git
@@ -109,12 +115,9 @@ def latest_gaps(ws: Workspace) -> tuple[str, dict] | None:
 
 
 def _loop_speedup(ws: Workspace, which: str) -> float | None:
-    """The loop's measured speedup over AR of `stock` or of the `final` system, if it has one."""
-    try:
-        state = json.loads((ws.state / "loop.json").read_text())
-        return float(state[which]["speedup"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The loop's latest measured speedup over AR of `stock` or of the `final` system, if it has one."""
+    runs = ws.memory.list_bench_runs(ws.deployment_id(), f"{MEASURE_PREFIX}{which}")
+    return float(runs[-1].speedup) if runs and runs[-1].speedup is not None else None
 
 
 def branch_row(ws: Workspace, b: Any, progress: dict | None = None) -> BranchRow:
@@ -256,7 +259,6 @@ def set_verdict(ws: Workspace, mechanism_id: int, status: str, note: str) -> tup
 
 
 def export_accepted(ws: Workspace, out: Path) -> list[Path]:
-    from workbench.export import export
 
     return export(ws, ws.memory.list_mechanisms(status="accepted"), out)
 
@@ -287,7 +289,6 @@ def branch_diff(ws: Workspace, branch: str) -> tuple[str, str]:
 
 def merge_into_base(ws: Workspace, branch: str) -> str:
     """Merge `branch` into the `base` branch (created at stock if missing) in a scratch worktree."""
-    from workbench.loop import merge_branch
 
     ws.branch(branch)
     repo = git.Repo(ws.path)
@@ -330,9 +331,6 @@ class LaunchChoice:
 def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None]:
     """Gap families to offer (the largest measured gap first; all when nothing is profiled yet), with
     what the tuner has left for each on the current base; and why the LLM agent cannot run (None: it can)."""
-    from workbench.agents.llm import LLMConfigError
-    from workbench.agents.tuner import candidates
-    from workbench.loop import llm_config
 
     g = latest_gaps(ws)
     fams = g[1]["breakdown"].get("families", {}) if g else {}
@@ -355,7 +353,6 @@ def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None
 
 def run_forcing(ws: Workspace, branch: str) -> str:
     """Token-force the branch against stock now (as the cascade's forcing stage), one line back."""
-    from workbench.forcing import force
 
     with tracking(ws.state, branch):
         rep = force(ws, branch, progress=False)
@@ -365,8 +362,6 @@ def run_forcing(ws: Workspace, branch: str) -> str:
 def reevaluate(ws: Workspace, branch: str) -> dict:
     """Run the whole cascade on the branch's committed head against the commit it started from (an
     interrupted branch resumed, or a branch edited by hand); the same code path as the loop's."""
-    from workbench.agents.base import AgentResult, Direction
-    from workbench.loop import Loop, LoopOptions
 
     b = ws.branch(branch)
     base = ws.branch_base(branch)
@@ -394,7 +389,6 @@ def mark_interrupted(ws: Workspace, branches: list[str]) -> None:
 def run_loop_round(ws: Workspace, progress: Callable[[str], None] | None = None) -> dict:
     """One more round of the loop, exactly as `specpilot-tui --auto --rounds N+1` would run it (the
     engineer still accepts mechanisms in the Memory tab)."""
-    from workbench.loop import Loop, LoopOptions
 
     done = sum(1 for r in ws.memory.list_rounds(ws.deployment_id()) if r.status == "done" and "index" in r.summary)
     return Loop(ws, LoopOptions(rounds=done + 1, auto_accept=False), progress=progress).run()
@@ -416,7 +410,6 @@ class Launch:
 
     def __init__(self, ws: Workspace, kind: str, family: str, branch: str,
                  progress: Callable[[str], None] | None = None, llm: dict | None = None) -> None:
-        from workbench.loop import Loop, LoopOptions
 
         self.ws, self.kind, self.family, self.branch = ws, kind, family, branch
         self.loop = Loop(ws, LoopOptions(rounds=1, agents=1, agent=kind, auto_accept=False, llm=llm or {}),
@@ -437,7 +430,6 @@ class Launch:
         att = loop.run_agent(self.family, self.branch)  # the base's gaps: profiled once per commit, then reused
         base = att["base_commit"]
         if att["status"] == "keep":  # a candidate for the engineer to accept or reject in the Memory tab
-            from workbench.export import record_mechanism
 
             ev = {"deployment": ws.config.name, "speedup": att["speedup"],
                   "speedup_over_ar": att.get("speedup_over_ar"), "branch": self.branch, "forcing": "clean",
