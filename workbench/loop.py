@@ -43,16 +43,16 @@ from costmodel.hardware import (
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
 from decoder.config import ConfigError, DecodeConfig, dump_table, read_table, verify_width
-from decoder.mechanisms import REGISTRY
 from store import Memory, global_memory_path
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
-from workbench.agents.tuner import TunerAgent, candidates
+from workbench.agents.tuner import TunerAgent
 from workbench.cascade import Attempt, bench_cpus, evaluate, smoke_run, timing_prompts
 from workbench.export import record_mechanism
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import load_prompts, paired_bench, profile_entry
 from workbench.memory_cli import publish_verdict
+from workbench.planning import plan_directions
 from workbench.progress import step, tracking
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
@@ -289,7 +289,7 @@ class Loop:
         return {"entry": entry, "breakdown": bd.as_dict()}
 
     def directions(self, breakdown: dict, exhausted: set[str], base: str | None = None) -> list[Direction]:
-
+        """The round's directions (`plan_directions`) on `base`'s config as the tuner reads it."""
         table = self.ws.config_at(base or self.ws.stock_commit)
         device = str(table.get("device", DecodeConfig().device)).split(":")[0]
         base_cfg = None
@@ -299,37 +299,10 @@ class Loop:
             except ConfigError as e:
                 self.say(f"the built-in tuner cannot read the base config ({e}); it skips this round")
                 return []
-        fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
-        out = []
-        for fam, ms in fams:
-            if fam in exhausted or ms <= 0:
-                continue  # explored without a gain on this base, or nothing to gain (e.g. batching at B = 1)
-            mechs = [{"name": m.name, "keys": {k: list(v) for k, v in m.keys.items()}, "applies": m.applies,
-                      "summary": m.summary} for m in REGISTRY.values() if m.family == fam and device in m.devices]
-            memory = self._memory_for(fam)
-            if self.opts.agent == "tuner" and not mechs and not memory:
-                continue  # the tuner has nothing to turn for this family
-            if base_cfg is not None:
-
-                if not candidates(base_cfg, fam, memory):
-                    continue  # every mechanism of the family is already on in the base: no agent slot for it
-            gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
-            out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
-        # families where other deployments already found something go first among equals
-        out.sort(key=lambda d: (not d.memory, -d.gap_ms))
-        out = out[: self.opts.agents]
-        if out and out[0].memory and not self.transfer_tried():
-            # First contact with what other deployments learned: the first agent also tries every
-            # accepted mechanism of the gap families together (the tuner composes them), not one
-            # family per round.
-            extra = [m for d in out[1:] for m in d.memory]
-            extra += [m for fam, ms in fams if ms > 0 and fam not in {d.family for d in out}
-                      for m in self._memory_for(fam)]
-            if extra:
-                first = out[0]
-                out[0] = Direction(first.family, first.gap_ms, first.summary + "; transfer: composes the "
-                                   "mechanisms accepted elsewhere", first.mechanisms, first.memory + extra)
-            self._transfer_tried = True
+        out, tried = plan_directions(breakdown, exhausted, agents=self.opts.agents, agent=self.opts.agent,
+                                     device=device, base_cfg=base_cfg, memory_for=self._memory_for,
+                                     transfer_tried=self.transfer_tried())
+        self._transfer_tried = self._transfer_tried or tried
         return out
 
     def _memory_for(self, family: str) -> list[dict]:
@@ -575,12 +548,7 @@ class Loop:
         return chosen
 
     def _record(self, a: dict, base: str, index: int) -> None:
-
-        ev = {"deployment": self.ws.config.name, "speedup": a["speedup"], "speedup_over_ar": a.get("speedup_over_ar"),
-              "round": index, "branch": a["branch"], "forcing": "clean", "config": a.get("config") or {}}
-        m = record_mechanism(self.ws, a["branch"], a.get("mechanism") or a["branch"], a["direction"],
-                             a.get("summary") or a["reason"], evidence=ev, base=base)
-        a["mechanism_id"] = m.id
+        m = record_kept(self.ws, a, base, a["direction"], index)
         if self.opts.auto_accept:
             note = f"auto: kept and integrated in round {index} ({a['speedup']:.3f}x over its base, forcing clean)"
             m = self.ws.memory.set_mechanism_status(m.id, "accepted", note)
@@ -643,6 +611,18 @@ class Loop:
             "minutes": round(self.minutes(), 2),
             "best_round": best_round(rounds, final, self.ws.stock_commit),
         }
+
+
+def record_kept(ws: Workspace, a: dict, base: str, family: str, index: int | None = None):
+    """A kept attempt `a` as a candidate mechanism with its evidence (the loop's integration and the TUI's
+    launch record the same way); sets a["mechanism_id"]."""
+    ev = {"deployment": ws.config.name, "speedup": a["speedup"], "speedup_over_ar": a.get("speedup_over_ar"),
+          **({"round": index} if index is not None else {}), "branch": a["branch"], "forcing": "clean",
+          "config": a.get("config") or {}}
+    m = record_mechanism(ws, a["branch"], a.get("mechanism") or a["branch"], family, a.get("summary") or a["reason"],
+                         evidence=ev, base=base)
+    a["mechanism_id"] = m.id
+    return m
 
 
 def llm_config(ws: Workspace, override: dict | None = None):

@@ -25,9 +25,9 @@ from store.migrations import GAP_FAMILIES
 from workbench.agents.base import AgentResult, Direction
 from workbench.agents.llm import LLMConfigError
 from workbench.agents.tuner import candidates
-from workbench.export import export, record_mechanism
+from workbench.export import export
 from workbench.forcing import force
-from workbench.loop import MEASURE_PREFIX, Loop, LoopOptions, llm_config, merge_branch
+from workbench.loop import MEASURE_PREFIX, Loop, LoopOptions, llm_config, merge_branch, record_kept
 from workbench.memory_cli import publish_verdict
 from workbench.progress import describe, read_progress, tracking
 from workbench.safegit import worktree_git
@@ -430,11 +430,5 @@ class Launch:
         att = loop.run_agent(self.family, self.branch)  # the base's gaps: profiled once per commit, then reused
         base = att["base_commit"]
         if att["status"] == "keep":  # a candidate for the engineer to accept or reject in the Memory tab
-
-            ev = {"deployment": ws.config.name, "speedup": att["speedup"],
-                  "speedup_over_ar": att.get("speedup_over_ar"), "branch": self.branch, "forcing": "clean",
-                  "config": att.get("config") or {}}
-            m = record_mechanism(ws, self.branch, att.get("mechanism") or self.branch, self.family,
-                                 att.get("summary") or att["reason"], evidence=ev, base=base)
-            att["mechanism_id"] = m.id
+            record_kept(ws, att, base, self.family)
         return att

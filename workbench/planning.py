@@ -1,0 +1,56 @@
+"""Planning a round: which gap families get an agent, with what the registry and the memory offer them.
+
+Pure functions of the measured gaps, the families already explored, the base's config and what the
+memory returns: the loop (`workbench/loop.py`) and the TUI's launch call them; nothing here runs a system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from decoder.config import DecodeConfig
+from decoder.mechanisms import REGISTRY
+from workbench.agents.base import Direction
+from workbench.agents.tuner import candidates
+
+
+def registry_mechanisms(family: str, device: str) -> list[dict]:
+    """The registered mechanisms of a gap family that run on `device` (cpu, cuda), as an agent sees them."""
+    return [{"name": m.name, "keys": {k: list(v) for k, v in m.keys.items()}, "applies": m.applies,
+             "summary": m.summary} for m in REGISTRY.values() if m.family == family and device in m.devices]
+
+
+def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent: str, device: str,
+                    base_cfg: DecodeConfig | None, memory_for: Callable[[str], list[dict]],
+                    transfer_tried: bool) -> tuple[list[Direction], bool]:
+    """Up to `agents` directions from the gap breakdown, largest gap first (families where other deployments
+    accepted mechanisms first among equals), skipping families explored without a gain (`exhausted`), with
+    nothing to gain, or, for the tuner, with nothing left to turn on `base_cfg`. The first time memory has
+    something (`transfer_tried` false), the first agent also composes every mechanism accepted elsewhere.
+    Returns (directions, whether that transfer was tried now)."""
+    fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
+    out = []
+    for fam, ms in fams:
+        if fam in exhausted or ms <= 0:
+            continue  # explored without a gain on this base, or nothing to gain (e.g. batching at B = 1)
+        mechs = registry_mechanisms(fam, device)
+        memory = memory_for(fam)
+        if agent == "tuner" and not mechs and not memory:
+            continue  # the tuner has nothing to turn for this family
+        if base_cfg is not None and not candidates(base_cfg, fam, memory):
+            continue  # every mechanism of the family is already on in the base: no agent slot for it
+        gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
+        out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
+    out.sort(key=lambda d: (not d.memory, -d.gap_ms))
+    out = out[:agents]
+    if not (out and out[0].memory and not transfer_tried):
+        return out, False
+    # First contact with what other deployments learned: the first agent also tries every accepted
+    # mechanism of the gap families together (the tuner composes them), not one family per round.
+    extra = [m for d in out[1:] for m in d.memory]
+    extra += [m for fam, ms in fams if ms > 0 and fam not in {d.family for d in out} for m in memory_for(fam)]
+    if extra:
+        first = out[0]
+        out[0] = Direction(first.family, first.gap_ms, first.summary + "; transfer: composes the mechanisms "
+                           "accepted elsewhere", first.mechanisms, first.memory + extra)
+    return out, True
