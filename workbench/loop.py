@@ -30,27 +30,15 @@ from typing import Any, Protocol
 
 import git
 
-from costmodel.deployment import CostDeployment
-from costmodel.gaps import measured_gaps
-from costmodel.hardware import (
-    LOCAL,
-    MAX_PROFILE_SPREAD,
-    HardwareError,
-    get_profile,
-    profile_spread,
-    save_profile,
-)
-from costmodel.model_profile import load_model_profile
-from costmodel.step import Drafter
-from decoder.config import ConfigError, DecodeConfig, dump_table, read_table, verify_width
+from decoder.config import ConfigError, DecodeConfig, dump_table, read_table
 from store import Memory, global_memory_path
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
 from workbench.agents.tuner import TunerAgent
-from workbench.cascade import Attempt, bench_cpus, evaluate, smoke_run, timing_prompts
+from workbench.cascade import Attempt, evaluate, smoke_run
+from workbench.costing import commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
 from workbench.export import record_mechanism
-from workbench.forcing import run_system, stock_reference
-from workbench.measure import load_prompts, paired_bench, profile_entry
+from workbench.forcing import stock_reference
 from workbench.memory_cli import publish_verdict
 from workbench.planning import plan_directions
 from workbench.progress import step, tracking
@@ -186,107 +174,27 @@ class Loop:
         return self.ws.rev(BASE_BRANCH)
 
     def speedup_over_ar(self, commit: str, label: str) -> dict:
-        """A paired benchmark of `commit` against the AR reference, on the prompts the cascade times."""
-        ar_wt = self.ws.detached_worktree("_ar", self.ws.rev(AR_BRANCH))
-        wt = self.ws.detached_worktree("_measure", commit)
-        prompts = timing_prompts(self.ws)
-        n = self.ws.config.forcing_max_new_tokens
-        with run_system(self.ws, ar_wt, "ar") as a, run_system(self.ws, wt, label) as b:
-            res = paired_bench(a, b, prompts, n, cpus=bench_cpus(self.ws))
-        out = {"commit": commit, **res.as_dict()}
-        self.say(f"{label}: {res.line()} over AR ({res.b_tokens_per_s:.1f} vs {res.a_tokens_per_s:.1f} tok/s)",
-                 "loop.measure", {"label": label, **out})
+        """A paired benchmark of `commit` against the AR reference, recorded in the store (`measured`)."""
+        out = speedup_over_ar(self.ws, self.ws.rev(AR_BRANCH), commit, label, self.say)
         self.ws.memory.add_bench_run(self.dep_id, f"{MEASURE_PREFIX}{label}", config={"commit": commit},
-                                     tokens_per_s=res.b_tokens_per_s, speedup=res.speedup, report=out)
+                                     tokens_per_s=out["b_tokens_per_s"], speedup=out["speedup"], report=out)
         return out
 
     def hardware(self):
-        """The deployment's hardware profile. This machine's (`cpu-local`) is measured (3 runs, the
-        quietest kept) when it never was, or was measured once or on a loaded machine (runs differing by
-        more than MAX_PROFILE_SPREAD). Only a profile within that spread is saved; after two wide tries
-        the quietest run serves this session, and the ceiling's announcement says it is unreliable."""
-        from decoder.lab.hardware import measure_cpu_local_repeated
-
-        if self._hardware is not None:
-            return self._hardware
-        try:
-            hw = get_profile(self.ws.config.hardware)
-        except HardwareError:
-            if self.ws.config.hardware != LOCAL:
-                raise
-            hw = None
-        if hw is not None and (hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD):
-            self._hardware = hw
-            return hw
-        runs = []
-        for attempt in (1, 2):
-            self.say(f"measuring this machine for the cost model ({'again: ' if attempt > 1 else ''}3 runs, "
-                     f"the quietest kept)")
-            runs.append(measure_cpu_local_repeated(self.ws.config.target, seconds_budget=9.0,
-                                                   threads=self.ws.config.limits.get("threads")))  # as systems run
-            if (profile_spread(runs[-1]) or 0.0) <= MAX_PROFILE_SPREAD:
-                save_profile(runs[-1])
-                break
-        self._hardware = min(runs, key=lambda p: (profile_spread(p) or 0.0))
+        """The deployment's hardware profile, measured at most once a session (`hardware_profile`)."""
+        if self._hardware is None:
+            self._hardware = hardware_profile(self.ws, self.say)
         return self._hardware
 
     def ceiling(self) -> float:
-        """The oracle ceiling that flags implausible speedups (the best over draft lengths, so it holds for
-        any candidate's config), announced with the profile it came from."""
-
-        c = self.ws.config
-        hw = self.hardware()
-        drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
-        dep = CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=DecodeConfig().draft_len)
-        value, k = dep.best_oracle_ceiling()
-        m = hw.measured
-        evidence = {"ceiling": value, "draft_len": k, "hardware": hw.name, "source": hw.source,
-                    "measured_at": m.get("measured_at"), "spread": m.get("spread"), "load_avg": m.get("load_avg"),
-                    "repeats": m.get("repeats")}
-        reliable = hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD
-        evidence["reliable"] = reliable
-        how = (f"{len(m['repeats'])} runs at {m.get('measured_at')}, spread {m['spread']:.0%}, load "
-               f"{m.get('load_avg')}" if m.get("repeats") else hw.source)
-        self.say(f"plausibility ceiling {value:.1f}x over AR, from the {hw.name} profile ({how})"
-                 + ("" if reliable else f"; UNRELIABLE: the machine was loaded (spread over "
-                                        f"{MAX_PROFILE_SPREAD:.0%}), not saved, measured again next time"),
-                 "loop.ceiling", evidence)
-        return value
+        """The plausibility ceiling on this session's profile, announced (`plausibility_ceiling`)."""
+        return plausibility_ceiling(self.ws, self.hardware(), self.say)
 
     # -- directions ------------------------------------------------------------------------------------
 
     def gaps(self, commit: str, label: str = "") -> dict:
-        """Profile the base through the harness and break its time per token into ranked gaps. Saved per
-        commit (`.specpilot/gaps/<commit>.json`, with `label` and the time): a later launch on the same
-        base reuses it, and the TUI's Overview shows whichever ran last."""
-        path = self.ws.state / "gaps" / f"{commit}.json"
-        try:
-            saved = json.loads(path.read_text())
-            if saved.get("commit") == commit and saved.get("breakdown"):
-                return {"entry": saved["entry"], "breakdown": saved["breakdown"]}
-        except (OSError, ValueError):
-            pass
-        earlier = [r.summary["gaps"] for r in self.ws.memory.list_rounds(self.dep_id)
-                   if r.base_commit == commit and (r.summary.get("gaps") or {}).get("breakdown")]
-        out = earlier[-1] if earlier else self._profile_gaps(commit)  # a round already profiled this base
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"commit": commit, "label": label, "measured_at": time.time(), **out}))
-        os.replace(tmp, path)
-        return out
-
-    def _profile_gaps(self, commit: str) -> dict:
-
-        wt = self.ws.detached_worktree("_measure", commit)
-        prompts = load_prompts(self.ws)
-        draft_len = verify_width(self.ws.config_at(commit)) - 1  # a candidate's own keys pass through
-        with run_system(self.ws, wt, "profile") as sp:
-            sp.generate(prompts[0].ids, 4)
-            entry = profile_entry(sp, prompts, self.ws.config.forcing_max_new_tokens, draft_len)
-        context = int(sum(len(p.ids) for p in prompts) / len(prompts))
-        bd = measured_gaps(entry, self.hardware(), load_model_profile(self.ws.config.target),
-                           context, num_prompts=len(prompts))
-        return {"entry": entry, "breakdown": bd.as_dict()}
+        """The ranked gaps of `commit`, profiled once per commit (`commit_gaps`)."""
+        return commit_gaps(self.ws, self.dep_id, commit, label, self.hardware)
 
     def directions(self, breakdown: dict, exhausted: set[str], base: str | None = None) -> list[Direction]:
         """The round's directions (`plan_directions`) on `base`'s config as the tuner reads it."""

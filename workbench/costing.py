@@ -1,0 +1,125 @@
+"""What the loop measures about a deployment through the harness and prices with the cost model: the
+hardware profile, the plausibility ceiling, the gap breakdown of a commit, and a commit's paired speedup
+over the AR reference. Functions of the workspace; the loop (`workbench/loop.py`) and the TUI call them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+from costmodel.deployment import CostDeployment
+from costmodel.gaps import measured_gaps
+from costmodel.hardware import (
+    LOCAL,
+    MAX_PROFILE_SPREAD,
+    HardwareError,
+    HardwareProfile,
+    get_profile,
+    profile_spread,
+    save_profile,
+)
+from costmodel.model_profile import load_model_profile
+from costmodel.step import Drafter
+from decoder.config import DecodeConfig, verify_width
+from workbench.cascade import bench_cpus, timing_prompts
+from workbench.forcing import run_system
+from workbench.measure import load_prompts, paired_bench, profile_entry
+from workbench.workspace import Workspace
+
+Say = Callable[..., None]  # say(message, kind="loop", payload=None): progress line and ledger event
+
+
+def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile:
+    """The deployment's hardware profile. This machine's (`cpu-local`) is measured (3 runs, the quietest
+    kept) when it never was, or was measured once or on a loaded machine (runs differing by more than
+    MAX_PROFILE_SPREAD). Only a profile within that spread is saved; after two wide tries the quietest run
+    serves, and the ceiling's announcement says it is unreliable."""
+    from decoder.lab.hardware import measure_cpu_local_repeated  # torch: only when a measurement is due
+
+    try:
+        hw = get_profile(ws.config.hardware)
+    except HardwareError:
+        if ws.config.hardware != LOCAL:
+            raise
+        hw = None
+    if hw is not None and (hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD):
+        return hw
+    runs = []
+    for attempt in (1, 2):
+        say(f"measuring this machine for the cost model ({'again: ' if attempt > 1 else ''}3 runs, the quietest "
+            f"kept)")
+        runs.append(measure_cpu_local_repeated(ws.config.target, seconds_budget=9.0,
+                                               threads=ws.config.limits.get("threads")))  # as systems run
+        if (profile_spread(runs[-1]) or 0.0) <= MAX_PROFILE_SPREAD:
+            save_profile(runs[-1])
+            break
+    return min(runs, key=lambda p: (profile_spread(p) or 0.0))
+
+
+def plausibility_ceiling(ws: Workspace, hw: HardwareProfile, say: Say) -> float:
+    """The oracle ceiling that flags implausible speedups (the best over draft lengths, so it holds for any
+    candidate's config), announced with the profile it came from."""
+    c = ws.config
+    drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
+    dep = CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=DecodeConfig().draft_len)
+    value, k = dep.best_oracle_ceiling()
+    m = hw.measured
+    reliable = hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD
+    evidence = {"ceiling": value, "draft_len": k, "hardware": hw.name, "source": hw.source,
+                "measured_at": m.get("measured_at"), "spread": m.get("spread"), "load_avg": m.get("load_avg"),
+                "repeats": m.get("repeats"), "reliable": reliable}
+    how = (f"{len(m['repeats'])} runs at {m.get('measured_at')}, spread {m['spread']:.0%}, load "
+           f"{m.get('load_avg')}" if m.get("repeats") else hw.source)
+    say(f"plausibility ceiling {value:.1f}x over AR, from the {hw.name} profile ({how})"
+        + ("" if reliable else f"; UNRELIABLE: the machine was loaded (spread over {MAX_PROFILE_SPREAD:.0%}), "
+                               f"not saved, measured again next time"), "loop.ceiling", evidence)
+    return value
+
+
+def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
+                hardware: Callable[[], HardwareProfile]) -> dict:
+    """Profile `commit` through the harness and break its time per token into ranked gaps. Saved per commit
+    (`.specpilot/gaps/<commit>.json`, with `label` and the time): a later launch on the same base reuses it
+    (or a round's profile of it), and the TUI's Overview shows whichever ran last."""
+    path = ws.state / "gaps" / f"{commit}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("commit") == commit and saved.get("breakdown"):
+            return {"entry": saved["entry"], "breakdown": saved["breakdown"]}
+    except (OSError, ValueError):
+        pass
+    earlier = [r.summary["gaps"] for r in ws.memory.list_rounds(dep_id)
+               if r.base_commit == commit and (r.summary.get("gaps") or {}).get("breakdown")]
+    out = earlier[-1] if earlier else _profile_gaps(ws, commit, hardware())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"commit": commit, "label": label, "measured_at": time.time(), **out}))
+    os.replace(tmp, path)
+    return out
+
+
+def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile) -> dict:
+    wt = ws.detached_worktree("_measure", commit)
+    prompts = load_prompts(ws)
+    draft_len = verify_width(ws.config_at(commit)) - 1  # a candidate's own keys pass through
+    with run_system(ws, wt, "profile") as sp:
+        sp.generate(prompts[0].ids, 4)
+        entry = profile_entry(sp, prompts, ws.config.forcing_max_new_tokens, draft_len)
+    context = int(sum(len(p.ids) for p in prompts) / len(prompts))
+    bd = measured_gaps(entry, hw, load_model_profile(ws.config.target), context, num_prompts=len(prompts))
+    return {"entry": entry, "breakdown": bd.as_dict()}
+
+
+def speedup_over_ar(ws: Workspace, ar_commit: str, commit: str, label: str, say: Say) -> dict:
+    """A paired benchmark of `commit` against the AR reference `ar_commit`, on the prompts the cascade times."""
+    ar_wt = ws.detached_worktree("_ar", ar_commit)
+    wt = ws.detached_worktree("_measure", commit)
+    with run_system(ws, ar_wt, "ar") as a, run_system(ws, wt, label) as b:
+        res = paired_bench(a, b, timing_prompts(ws), ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws))
+    out = {"commit": commit, **res.as_dict()}
+    say(f"{label}: {res.line()} over AR ({res.b_tokens_per_s:.1f} vs {res.a_tokens_per_s:.1f} tok/s)",
+        "loop.measure", {"label": label, **out})
+    return out
