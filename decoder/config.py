@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -64,9 +65,10 @@ def verify_width(cfg: DecodeConfig | Mapping) -> int:
             widths = parse_tree_shape(get("tree_shape", str))
         except ValueError:
             widths = None
-        return 1 + (static_tree_nodes(widths) if widths is not None else max(1, get("tree_budget", int)))
+        nodes = static_tree_nodes(widths) if widths is not None else get("tree_budget", int)
+        return 1 + max(1, min(nodes, MAX_TREE_NODES))
     if get("verify", str) == "two-level":
-        return 1 + k * (1 + max(0, get("two_level_alts", int)))
+        return 1 + k * (1 + max(0, min(get("two_level_alts", int), 8)))
     return 1 + k
 
 
@@ -92,8 +94,8 @@ def _toml_value(v: object) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a JSON string is a valid TOML basic string: quotes, backslashes, newlines escaped
+        return json.dumps(v, ensure_ascii=False)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise ConfigError(f"decode config: value {v!r} ({type(v).__name__}) cannot be written as a TOML scalar")

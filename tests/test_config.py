@@ -53,3 +53,18 @@ def test_registry_families_match_cost_model():
     from decoder.contract import GAP_FAMILIES
 
     assert tuple(GAP_FAMILIES) == tuple(FAMILIES)
+
+
+def test_tables_with_keys_and_values_a_candidate_wrote_round_trip_without_injection():
+    """A candidate's system.toml may hold keys this schema does not know and any string: dump_table writes
+    them back as they were (no key injected through a quote or a newline), verify_width stays bounded."""
+    from decoder.config import MAX_TREE_NODES, dump_table, read_table, verify_width
+
+    table = {"method": "sd", "my_knob": 'x"\nmethod = "ar', "path": "C:\\tmp\\é", "ks": [1, 2], "on": True}
+    back = read_table(dump_table(table))
+    assert back == table and back["method"] == "sd"
+    assert verify_width({"verify": "tree", "tree_budget": 10**9}) == 1 + MAX_TREE_NODES
+    assert verify_width({"verify": "two-level", "draft_len": 3, "two_level_alts": 10**6}) == 1 + 3 * 9
+    assert verify_width({"draft_len": "many", "method": ["ar"]}) == 1 + DecodeConfig().draft_len
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        read_table('method = "sd\n')
