@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decoder.config import FEATURE_NEEDS, DecodeConfig
+from decoder.config import FEATURE_NEEDS, TREE_NEEDS, DecodeConfig
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "step cost grows slowly with verify width (batch 1, memory- or overhead-bound)",
         summary="one target forward over a draft tree (static shape or EAGLE-2 dynamic expansion under a node "
                 "budget) with an ancestor-only mask; the accepted path's KV compacted in place (decoder/tree.py)",
-        requires={"method": "sd", "drafter": "draft-model", "lean_forward": True, "temperature": 0.0},
+        requires={k: v for k, v in TREE_NEEDS.items() if k != "cuda_graphs"},
     ),
     Mechanism(
         name="two-level-verify", family="acceptance",
@@ -112,7 +112,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "cost is flat in verify width",
         summary="level 1 the drafter's chain, level 2 its next-best tokens beside every chain node as leaves, "
                 "one target forward; no drafter forward beyond the chain's (decoder/tree.py)",
-        requires={"method": "sd", "drafter": "draft-model", "lean_forward": True, "temperature": 0.0},
+        requires={k: v for k, v in TREE_NEEDS.items() if k != "cuda_graphs"},
     ),
     Mechanism(
         name="d-cut", family="drafting",
