@@ -15,7 +15,8 @@ from tests.conftest import needs_demo
 from tests.test_forcing import make_branch, patch_generate
 from workbench.cascade import evaluate, noise_floor
 from workbench.forcing import stock_reference
-from workbench.loop import BASE_BRANCH, Loop, LoopOptions, merge_branch
+from workbench.integration import merge_branch
+from workbench.loop import BASE_BRANCH, Loop, LoopOptions
 from workbench.workspace import Workspace, init_demo
 
 pytestmark = needs_demo

@@ -28,17 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import git
-
-from decoder.config import ConfigError, DecodeConfig, dump_table, read_table
+from decoder.config import ConfigError, DecodeConfig, dump_table
 from store import Memory, global_memory_path
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
 from workbench.agents.tuner import TunerAgent
-from workbench.cascade import Attempt, evaluate, smoke_run
+from workbench.cascade import smoke_run
 from workbench.costing import commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
-from workbench.export import record_mechanism
 from workbench.forcing import stock_reference
+from workbench.integration import evaluate_attempt, integrate_kept, record_kept
 from workbench.memory_cli import publish_verdict
 from workbench.planning import plan_directions
 from workbench.progress import step, tracking
@@ -393,66 +391,21 @@ class Loop:
     def _attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
                  ceiling: float) -> dict:
         with tracking(self.ws.state, name):
-            return self._evaluate_attempt(name, d, agent, res, base, base_ar, ceiling)
-
-    def _evaluate_attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
-                          ceiling: float) -> dict:
-        b = self.ws.branch(name)
-        if not res.committed or self.ws.head(name) == base:
-            self.ws.memory.add_evaluation(b.id, "agent", "discard", res.message or "no change committed")
-            self.ws.memory.update_branch(b.id, status="discarded")
-            return {"branch": name, "agent": agent, "direction": d.family, "status": "discard",
-                    "reason": f"no change: {res.message}", "speedup": None, "details": res.details}
-        att: Attempt = evaluate(self.ws, name, base, base_ar, ceiling, min_gain=self.opts.min_gain,
-                                progress=self.say)
-        out = {"branch": name, "agent": agent, "direction": d.family, "status": att.status, "reason": att.reason,
-               "speedup": att.speedup, "speedup_over_ar": att.speedup_over_ar, "mechanism": res.mechanism,
-               "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95}
-        self.say(f"  {name}: {att.status}: {att.reason}", "loop.attempt", out)
-        return out
+            return evaluate_attempt(self.ws, name, d.family, agent, res, base, base_ar, ceiling, self.opts.min_gain,
+                                    self.say)
 
     # -- integration -----------------------------------------------------------------------------------
 
     def integrate(self, index: int, round_id: int, base: str, kept: list[dict], base_ar: float,
                   ceiling: float) -> dict:
-        if not kept:
-            return {"commit": base, "speedup": 1.0, "merged": [], "note": "nothing kept"}
-        kept = sorted(kept, key=lambda a: -(a["speedup"] or 0))
-        best = kept[0]
-        if len(kept) == 1:
-            chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"], "merged": [best["branch"]]}
-        else:
-            name = f"r{index}-combined"
-            if self.ws.find_branch(name) is not None:
-                self.ws.reset_branch(name, base)
-            else:
-                self.ws.create_branch(name, base=base, agent="integrator",
-                                      direction="+".join(a["direction"] for a in kept), round_id=round_id)
-            wt = self.ws.worktree_git(name)
-            merged, skipped = [], []
-            for a in kept:
-                ok, why = merge_branch(wt, a["branch"], self.ws.config.config_file)
-                (merged if ok else skipped).append(a["branch"] if ok else f"{a['branch']} ({why})")
-            if len(merged) < 2:
-                chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"],
-                          "merged": [best["branch"]], "skipped": skipped}
-            else:
-                with tracking(self.ws.state, name):
-                    att = evaluate(self.ws, name, base, base_ar, ceiling, min_gain=self.opts.min_gain,
-                                   progress=self.say)
-                self.say(f"  {name} ({' + '.join(merged)}): {att.status}: {att.reason}")
-                if att.status == "keep" and (att.speedup or 0) >= best["speedup"]:
-                    chosen = {"commit": self.ws.head(name), "speedup": att.speedup, "merged": merged,
-                              "skipped": skipped}
-                else:
-                    chosen = {"commit": self.ws.head(best["branch"]), "speedup": best["speedup"],
-                              "merged": [best["branch"]], "skipped": skipped,
-                              "note": f"combination {att.status} ({att.reason}); best single kept"}
+        """The round's kept branches into one new base (`integrate_kept`), the merged ones recorded."""
+        chosen = integrate_kept(self.ws, index, round_id, base, kept, base_ar, ceiling, self.opts.min_gain, self.say)
         for a in kept:
             if a["branch"] in chosen["merged"]:
                 self._record(a, base, index)
-        self.say(f"round {index}: base -> {chosen['commit'][:10]} ({chosen['speedup']:.3f}x over the old base; "
-                 f"merged {', '.join(chosen['merged'])})", "loop.integrate", chosen)
+        if kept:
+            self.say(f"round {index}: base -> {chosen['commit'][:10]} ({chosen['speedup']:.3f}x over the old base; "
+                     f"merged {', '.join(chosen['merged'])})", "loop.integrate", chosen)
         return chosen
 
     def _record(self, a: dict, base: str, index: int) -> None:
@@ -521,18 +474,6 @@ class Loop:
         }
 
 
-def record_kept(ws: Workspace, a: dict, base: str, family: str, index: int | None = None):
-    """A kept attempt `a` as a candidate mechanism with its evidence (the loop's integration and the TUI's
-    launch record the same way); sets a["mechanism_id"]."""
-    ev = {"deployment": ws.config.name, "speedup": a["speedup"], "speedup_over_ar": a.get("speedup_over_ar"),
-          **({"round": index} if index is not None else {}), "branch": a["branch"], "forcing": "clean",
-          "config": a.get("config") or {}}
-    m = record_mechanism(ws, a["branch"], a.get("mechanism") or a["branch"], family, a.get("summary") or a["reason"],
-                         evidence=ev, base=base)
-    a["mechanism_id"] = m.id
-    return m
-
-
 def llm_config(ws: Workspace, override: dict | None = None):
     """The LLM agent's endpoint: `override`, else the workspace's [llm] table, the environment filling
     gaps; an error names the file to edit."""
@@ -558,43 +499,3 @@ def best_round(rounds: list[dict], final: str, stock: str) -> int | None:
         if after == final:
             return r["index"]
     return None
-
-
-def merge_branch(wt: git.Git, branch: str, config_file: str) -> tuple[bool, str]:
-    """Merge `branch` into the worktree's HEAD; a conflict confined to the TOML config is merged key by key."""
-    try:
-        wt.merge("--no-ff", "--no-edit", "-m", f"integrate {branch}", branch)
-        return True, ""
-    except git.GitCommandError:
-        pass
-    conflicted = wt.diff("--name-only", "--diff-filter=U").splitlines()
-    if conflicted != [config_file]:
-        wt.merge("--abort")
-        return False, f"conflicts in {', '.join(conflicted) or 'the tree'}"
-    base_sha = wt.merge_base("HEAD", branch)
-    try:
-        b, o, t = (read_table(wt.show(f"{ref}:{config_file}")) for ref in (base_sha, "HEAD", branch))
-    except ConfigError as e:
-        wt.merge("--abort")
-        return False, f"{config_file} on one side: {e}"
-    merged = {}
-    for k in sorted(set(b) | set(o) | set(t)):
-        bv, ov, tv = b.get(k), o.get(k), t.get(k)
-        if ov == tv or tv == bv:
-            merged[k] = ov
-        elif ov == bv:
-            merged[k] = tv
-        else:
-            wt.merge("--abort")
-            return False, f"both set {k} ({ov!r} vs {tv!r})"
-    # Written as merged, not validated against the installed DecodeConfig: a key one side added belongs
-    # to that side's code; the combination is evaluated (smoke, forcing, bench) before anything is kept.
-    try:
-        text = dump_table({k: v for k, v in merged.items() if v is not None})
-    except ConfigError as e:
-        wt.merge("--abort")
-        return False, f"merged config cannot be written: {e}"
-    (Path(wt.working_dir) / config_file).write_text(text)
-    wt.add(config_file)
-    wt.commit("--no-edit", "-m", f"integrate {branch} ({config_file} merged key by key)")
-    return True, "config merged key by key"

@@ -27,7 +27,8 @@ from workbench.agents.llm import LLMConfigError
 from workbench.agents.tuner import candidates
 from workbench.export import export
 from workbench.forcing import force
-from workbench.loop import MEASURE_PREFIX, Loop, LoopOptions, llm_config, merge_branch, record_kept
+from workbench.integration import merge_branch, record_kept
+from workbench.loop import MEASURE_PREFIX, Loop, LoopOptions, llm_config
 from workbench.memory_cli import publish_verdict
 from workbench.progress import describe, read_progress, tracking
 from workbench.safegit import worktree_git
