@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +52,6 @@ class CostDeployment:
     def oracle_ceiling(self) -> float:
         """The highest lossless speedup at this deployment's draft length (what `plausible` checks against)."""
         return self.ceiling().speedup
-
-    def best_oracle_ceiling(self, max_draft_len: int = MAX_ORACLE_DRAFT_LEN) -> tuple[float, int]:
-        """The highest lossless speedup at any draft length up to `max_draft_len`, and that length: a bound
-        for every candidate whatever draft length or tree it runs (a tree that accepts d tokens per step
-        verifies at least the chain of those d tokens)."""
-        best = max((dataclasses.replace(self, draft_len=k).oracle_ceiling(), k) for k in range(1, max_draft_len + 1))
-        return best
 
 
 def demo_dir() -> Path:

@@ -180,6 +180,19 @@ def test_a_branch_that_adds_a_config_key_and_a_mechanism_behind_it_is_evaluated(
     assert not att.reason.startswith("forcing:"), att.reason  # lossless: the candidate's code ran with its key
 
 
+def test_a_candidate_gets_the_ceiling_of_its_own_verify_width(ws):
+    """The plausibility ceiling is the oracle at the width a system's config verifies: stock's for the round,
+    a candidate's own when it drafts wider (never below the round's)."""
+    from workbench.costing import ceiling_for
+
+    loop = Loop(ws, LoopOptions())
+    hw, base = loop.hardware(), loop.ceiling()  # one profile for all three figures
+    make_branch(ws, "k8", {"system.toml": ("draft_len = 3", "draft_len = 8")}, "k=8")
+    assert ceiling_for(ws, hw, ws.stock_commit, 1.0) == pytest.approx(base)
+    wide = ceiling_for(ws, hw, ws.head("k8"), 1.0)
+    assert wide != pytest.approx(base) and ceiling_for(ws, hw, ws.head("k8"), base) == max(wide, base)
+
+
 def test_headless_never_imports_textual():
     code = ("import sys, workbench.tui_entry as t, workbench.loop, workbench.agents.tuner\n"
             "rc = t.main(['--auto', '--workspace', '/nonexistent/ws'])\n"

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 
-from costmodel.deployment import CostDeployment
+from costmodel.deployment import MAX_ORACLE_DRAFT_LEN, CostDeployment
 from costmodel.gaps import measured_gaps
 from costmodel.hardware import (
     LOCAL,
@@ -23,11 +23,11 @@ from costmodel.hardware import (
 )
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
-from decoder.config import DecodeConfig, verify_width
+from decoder.config import verify_width
 from workbench.cascade import bench_cpus, timing_prompts
 from workbench.forcing import run_system
 from workbench.measure import load_prompts, paired_bench, profile_entry
-from workbench.workspace import Workspace
+from workbench.workspace import Workspace, WorkspaceError
 
 Say = Callable[..., None]  # say(message, kind="loop", payload=None): progress line and ledger event
 
@@ -59,13 +59,29 @@ def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile:
     return min(runs, key=lambda p: (profile_spread(p) or 0.0))
 
 
-def plausibility_ceiling(ws: Workspace, hw: HardwareProfile, say: Say) -> float:
-    """The oracle ceiling that flags implausible speedups (the best over draft lengths, so it holds for any
-    candidate's config), announced with the profile it came from."""
+def oracle_ceiling(ws: Workspace, hw: HardwareProfile, draft_len: int) -> float:
+    """The highest lossless speedup over AR the cost model allows at `draft_len` (every draft accepted)."""
     c = ws.config
     drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
-    dep = CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=DecodeConfig().draft_len)
-    value, k = dep.best_oracle_ceiling()
+    k = max(1, min(draft_len, MAX_ORACLE_DRAFT_LEN))
+    return CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=k).oracle_ceiling()
+
+
+def ceiling_for(ws: Workspace, hw: HardwareProfile, commit: str, floor: float) -> float:
+    """The plausibility ceiling of the system at `commit`: the oracle at the verify width its own config sets
+    (a tree or a longer draft may legitimately go beyond the base's), never below `floor`."""
+    try:
+        width = verify_width(ws.config_at(commit))
+    except WorkspaceError:
+        return floor
+    return max(floor, oracle_ceiling(ws, hw, width - 1))
+
+
+def plausibility_ceiling(ws: Workspace, hw: HardwareProfile, say: Say) -> float:
+    """The oracle ceiling that flags implausible speedups at stock's verify width (a candidate's own width
+    raises its own: `ceiling_for`), announced with the profile it came from."""
+    k = max(1, verify_width(ws.config_at(ws.stock_commit)) - 1)
+    value = oracle_ceiling(ws, hw, k)
     m = hw.measured
     reliable = hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD
     evidence = {"ceiling": value, "draft_len": k, "hardware": hw.name, "source": hw.source,

@@ -34,7 +34,7 @@ from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, S
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
 from workbench.agents.tuner import TunerAgent
 from workbench.cascade import smoke_run
-from workbench.costing import commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
+from workbench.costing import ceiling_for, commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
 from workbench.forcing import stock_reference
 from workbench.integration import evaluate_attempt, integrate_kept, record_kept
 from workbench.memory_cli import publish_verdict
@@ -390,6 +390,8 @@ class Loop:
 
     def _attempt(self, name: str, d: Direction, agent: str, res: AgentResult, base: str, base_ar: float,
                  ceiling: float) -> dict:
+        if res.committed:  # its own verify width may raise its ceiling (a tree, a longer draft)
+            ceiling = ceiling_for(self.ws, self.hardware(), self.ws.head(name), ceiling)
         with tracking(self.ws.state, name):
             return evaluate_attempt(self.ws, name, d.family, agent, res, base, base_ar, ceiling, self.opts.min_gain,
                                     self.say)
@@ -399,6 +401,8 @@ class Loop:
     def integrate(self, index: int, round_id: int, base: str, kept: list[dict], base_ar: float,
                   ceiling: float) -> dict:
         """The round's kept branches into one new base (`integrate_kept`), the merged ones recorded."""
+        for a in kept:  # the combination may verify as wide as its widest part
+            ceiling = ceiling_for(self.ws, self.hardware(), self.ws.head(a["branch"]), ceiling)
         chosen = integrate_kept(self.ws, index, round_id, base, kept, base_ar, ceiling, self.opts.min_gain, self.say)
         for a in kept:
             if a["branch"] in chosen["merged"]:
