@@ -100,6 +100,18 @@ def app_for(ws, **kw):
     return make_app(ws.path, poll_s=0.3, blink=False, **kw)
 
 
+async def open_launch(pilot, app, llm: bool = False):
+    """The TUI opened, the Branches tab shown and its Launch dialog up (LLM agent chosen when `llm`)."""
+    from workbench.tui.screens import LaunchScreen
+
+    await opened(pilot)
+    await pilot.press("2", "l")
+    await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
+    if llm:
+        app.screen.query_one("#kind-llm").value = True
+    return app.screen
+
+
 def select_row(app, table_id: str, key: str) -> None:
     from textual.widgets import DataTable
 
@@ -386,10 +398,7 @@ def test_the_launch_dialog_says_what_cannot_run(ws, monkeypatch):
     async def go():
         app = app_for(ws)
         async with app.run_test(notifications=True, size=(120, 40)) as pilot:
-            await opened(pilot)
-            await pilot.press("2", "l")
-            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
-            screen = app.screen
+            screen = await open_launch(pilot, app)
             assert screen.query_one("#kind-llm").disabled
             assert str(ws.path / "specpilot.toml") in str(screen.query_one("#llm-unavailable").render())
             empty = [i for i, c in enumerate(screen.choices) if not c.tuner_left]
@@ -502,16 +511,12 @@ def test_log_follows_the_store(ws):
 
 
 def test_launch_steer_stop_an_llm_agent(ws, llm_stub):
-    from workbench.tui.screens import ConfirmScreen, LaunchScreen, TextInputScreen
+    from workbench.tui.screens import ConfirmScreen, TextInputScreen
 
     async def go():
         app = app_for(ws)
         async with app.run_test(notifications=True, size=(120, 40)) as pilot:
-            await opened(pilot)
-            await pilot.press("2", "l")
-            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
-            screen = app.screen
-            screen.query_one("#kind-llm").value = True
+            screen = await open_launch(pilot, app, llm=True)
             families = [c.family for c in screen.choices]
             assert families[0] == "compute"  # the largest gap first
             screen.query_one("#direction").highlighted = families.index("drafting")
@@ -541,15 +546,11 @@ def test_launch_steer_stop_an_llm_agent(ws, llm_stub):
 
 
 def test_quit_with_an_agent_running_marks_it_interrupted(ws, llm_stub):
-    from workbench.tui.screens import LaunchScreen
 
     async def go():
         app = app_for(ws)
         async with app.run_test(notifications=True, size=(120, 40)) as pilot:
-            await opened(pilot)
-            await pilot.press("2", "l")
-            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
-            app.screen.query_one("#kind-llm").value = True
+            await open_launch(pilot, app, llm=True)
             await pilot.press("enter")
             await until(pilot, lambda: len(llm_stub.requests) >= 1, 60, "the agent's first request")
             branch = next(iter(app.live))
@@ -564,15 +565,11 @@ def test_quit_with_an_agent_running_marks_it_interrupted(ws, llm_stub):
 
 @pytest.mark.slow
 def test_launch_a_tuner_runs_the_cascade(ws):
-    from workbench.tui.screens import LaunchScreen
 
     async def go():
         app = app_for(ws)
         async with app.run_test(notifications=True, size=(120, 40)) as pilot:
-            await opened(pilot)
-            await pilot.press("2", "l")
-            await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 20, "the launch dialog")
-            screen = app.screen
+            screen = await open_launch(pilot, app)
             screen.query_one("#direction").highlighted = [f for f, _ in screen.directions].index("drafting")
             await pilot.press("enter")
             await until(pilot, lambda: app.live, 20, "the launch")
