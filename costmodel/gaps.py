@@ -22,17 +22,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from costmodel.entry import GapError, MethodEntry
 from costmodel.hardware import HardwareProfile
 from costmodel.model_profile import ModelProfile
 from costmodel.step import Drafter, forward_time, sd_step
 from decoder.contract import GAP_FAMILIES
 
 FAMILIES = GAP_FAMILIES
-PHASES = ("prefill", "draft", "verify", "accept", "other")
-
-
-class GapError(ValueError):
-    """A bench entry cannot be broken down; the message names what is missing and the fix."""
+__all__ = ["FAMILIES", "GapError", "Gap", "GapBreakdown", "MethodEntry", "measured_gaps", "modelled_gaps",
+           "check_accounting"]
 
 
 @dataclass(frozen=True)
@@ -113,34 +111,22 @@ def _verify_parts(step_parts, steps_per_token: float, measured_verify: float | N
     return parts, notes
 
 
-def measured_gaps(entry: Mapping, hw: HardwareProfile, target: ModelProfile, context: int, fmt: str = "bf16",
-                  num_prompts: int | None = None) -> GapBreakdown:
+def measured_gaps(entry: MethodEntry | Mapping, hw: HardwareProfile, target: ModelProfile, context: int,
+                  fmt: str = "bf16", num_prompts: int | None = None) -> GapBreakdown:
     """Split a bench method entry's measured ms per generated token (B = 1) into ranked parts.
 
     `entry` is one item of `specpilot bench --json`'s "methods" (fields phase_ms_per_token, tau,
     tokens_per_s, draft_len; target_forwards and new_tokens when present); `num_prompts` (the
     report's) lets the prefill forwards be told from the verify forwards exactly.
     """
-    name = str(entry.get("name", "method"))
-    phases = entry.get("phase_ms_per_token")
-    if not isinstance(phases, Mapping):
-        raise GapError(f"method {name} has no phase_ms_per_token; use one of our methods (ar, sd-draft-model, "
-                       f"sd-ngram) from `specpilot bench --json`")
-    missing = [p for p in PHASES if p not in phases]
-    if missing:
-        raise GapError(f"method {name}: phase_ms_per_token lacks {', '.join(missing)}; re-run `specpilot bench`")
-    ph = {p: float(phases[p]) for p in PHASES}
-    tau = float(entry.get("tau") or 0.0)
-    if tau <= 0:
-        raise GapError(f"method {name}: tau {entry.get('tau')!r} must be positive; re-run `specpilot bench`")
-    k = entry.get("draft_len") or 0
+    e = MethodEntry.read(entry)
+    name, ph, tau, k = e.name, dict(e.phase_ms_per_token), e.tau, e.draft_len
     phase_sum = sum(ph.values())
-    tps = float(entry.get("tokens_per_s") or 0.0)
-    measured = 1000.0 / tps if tps > 0 else phase_sum
+    measured = e.ms_per_token
     notes: list[str] = []
 
     # Verify forwards per generated token: exact from the counts, else 1 / tau (prefill ignored).
-    forwards, new_tokens = entry.get("target_forwards"), entry.get("new_tokens")
+    forwards, new_tokens = e.target_forwards, e.new_tokens
     if forwards and new_tokens and num_prompts:
         steps_per_token = (forwards - num_prompts) / new_tokens
     else:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from costmodel.ceiling import plausible
 from costmodel.deployment import CostDeployment
+from costmodel.entry import MethodEntry
 from costmodel.fit import median_abs_rel_error, predict_ms
 from costmodel.gaps import FAMILIES, GapBreakdown, check_accounting, measured_gaps, modelled_gaps
 from costmodel.step import ar_step, forward_time, sd_step
@@ -45,7 +46,7 @@ def validation(dep: CostDeployment) -> dict | None:
     }
 
 
-def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Mapping | None = None,
+def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: MethodEntry | Mapping | None = None,
                  ar_ms_per_token: float | None = None, num_prompts: int | None = None) -> dict:
     """The cost model's JSON for a deployment: ceilings, projection or measured gaps, validation.
 
@@ -53,9 +54,10 @@ def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Map
     tau defaults to its measured tau and `ar_ms_per_token` (the bench's AR) anchors the B = 1 ceiling.
     """
     k = dep.draft_len
-    measured = bench_entry is not None
-    if measured and tau is None:
-        tau = float(bench_entry.get("tau") or 0.0) or None
+    entry = MethodEntry.read(bench_entry) if bench_entry is not None else None
+    measured = entry is not None
+    if entry is not None and tau is None:
+        tau = entry.tau
     if tau is not None and not 1.0 <= tau <= k + 1:
         if measured:
             tau = min(max(tau, 1.0), float(k + 1))  # bench tau counts the prefill forward: clip, do not fail
@@ -73,7 +75,7 @@ def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Map
     notes: list[str] = []
 
     if measured:
-        breakdown: GapBreakdown = measured_gaps(bench_entry, dep.hardware, dep.target, dep.context, dep.fmt,
+        breakdown: GapBreakdown = measured_gaps(entry, dep.hardware, dep.target, dep.context, dep.fmt,
                                                 num_prompts)
     else:
         if tau is None:
@@ -112,8 +114,8 @@ def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Map
         "verify_steps": _verify_table(dep),
         "notes": notes + gap_dict["notes"],
     }
-    if measured:
-        speedup = bench_entry.get("speedup_vs_ar")
+    if entry is not None:
+        speedup = entry.extra.get("speedup_vs_ar")
         if speedup is not None:
             report["measured_speedup"] = speedup
             ok, reason = plausible(float(speedup), oracle["speedup"])

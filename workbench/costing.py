@@ -126,7 +126,7 @@ def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile) -> dict:
         entry = profile_entry(sp, prompts, ws.config.forcing_max_new_tokens, draft_len)
     context = int(sum(len(p.ids) for p in prompts) / len(prompts))
     bd = measured_gaps(entry, hw, load_model_profile(ws.config.target), context, num_prompts=len(prompts))
-    return {"entry": entry, "breakdown": bd.as_dict()}
+    return {"entry": entry.as_dict(), "breakdown": bd.as_dict()}
 
 
 def speedup_over_ar(ws: Workspace, ar_commit: str, commit: str, label: str, say: Say) -> dict:

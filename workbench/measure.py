@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from costmodel.entry import MethodEntry
 from decoder.stats import DecodeStats
 from store import data_dir
 from workbench.forcing import forcing_prompt_texts
@@ -56,7 +57,7 @@ class Prompt:
     ids: list[int]
 
 
-def profile_entry(sp: SystemProcess, prompts: list[Prompt], n: int, draft_len: int) -> dict:
+def profile_entry(sp: SystemProcess, prompts: list[Prompt], n: int, draft_len: int) -> MethodEntry:
     """A `specpilot bench`-style method entry for the running system: tokens/s timed by the harness,
     phases as the system reports them (scaled to the harness's time), for `costmodel.measured_gaps`."""
     tokens = 0
@@ -71,12 +72,11 @@ def profile_entry(sp: SystemProcess, prompts: list[Prompt], n: int, draft_len: i
     phases = dict(total.phase_s) if any(total.phase_s.values()) else {}
     fwd, drafted, accepted = total.target_forwards, total.drafted, total.accepted
     steps = max(fwd - len(prompts), 1)
-    tau = tokens / steps if fwd else 1.0
-    return {"name": "base", "tokens_per_s": tokens / seconds if seconds else 0.0, "tau": tau,
-            "draft_len": draft_len if drafted else 0, "target_forwards": fwd, "new_tokens": tokens,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "phase_ms_per_token": {k: 1000.0 * v / tokens for k, v in phases.items()} if tokens else {},
-            "seconds": seconds}
+    return MethodEntry(name="base", tokens_per_s=tokens / seconds if seconds else 0.0,
+                       tau=tokens / steps if fwd else 1.0,
+                       phase_ms_per_token={k: 1000.0 * v / tokens for k, v in phases.items()} if tokens else {},
+                       draft_len=draft_len if drafted else 0, target_forwards=fwd, new_tokens=tokens,
+                       acceptance_rate=accepted / drafted if drafted else None, seconds=seconds)
 
 
 class TimedOutputWrong(Exception):
