@@ -14,7 +14,7 @@ FEATURE_DRAFTERS = ("block", "mtp", "routed")  # read the target's hidden states
 ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router may pick
 # What a feature drafter needs: the lean forward's hidden states and chain verification (greedy or sampled:
 # its drafts are deterministic, so rejection sampling runs with a one-hot q).
-FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "cuda_graphs": False, "verify": "chain", "dcut": False}
+FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "verify": "chain", "dcut": False}
 # What tree and two-level verification need: greedy, on the lean forward, with a draft model.
 TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "lean_forward": True, "cuda_graphs": False, "temperature": 0.0}
 DTYPES = ("bfloat16", "float32", "float16")

@@ -217,6 +217,14 @@ class StaticLeanLM:
         self._graph_cache: LeanCache | None = None  # graphs are bound to one KV buffer
         self._keys = torch.arange(max_len, device=self.device)  # [max_len]
 
+    @property
+    def embed(self) -> torch.Tensor:  # the feature drafters share the target's embedding and LM head
+        return self.lean.embed
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.lean.lm_head
+
     def new_cache(self, max_len: int | None = None) -> LeanCache:
         if self._graph_cache is not None:  # reuse the buffer the graphs were captured on
             self._graph_cache.length = 0
@@ -235,8 +243,10 @@ class StaticLeanLM:
             self._graph_cache = cache
         return cache
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cache: LeanCache, last_only: bool) -> torch.Tensor:
-        """The static step: ids, pos [b] -> logits [b, V] (or [1, V]); shapes depend on b only."""
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cache: LeanCache, last_only: bool,
+              capture: tuple[int, ...] = ()):
+        """The static step: ids, pos [b] -> logits [b, V] (or [1, V]); shapes depend on b only. With
+        `capture`, (logits, hidden [b, len(capture) * D]) as LeanLM.forward returns them."""
         lean = self.lean
         b = ids.shape[0]
         cos, sin = lean.cos.index_select(0, pos)[:, None], lean.sin.index_select(0, pos)[:, None]  # [b, 1, hd]
@@ -252,31 +262,41 @@ class StaticLeanLM:
             return att[0].transpose(0, 1).reshape(b, lean.q_size)
 
         x = F.embedding(ids, lean.embed)  # [b, D]
+        hidden: list[torch.Tensor] = []
         for li in range(len(lean.layers)):
             x = lean.layer(li, x, cos, sin, attend)
-        return lean.head(x[-1:] if last_only else x)
+            if li in capture:
+                hidden.append(x)
+        logits = lean.head(x[-1:] if last_only else x)
+        return (logits, torch.cat(hidden, dim=-1)) if capture else logits
 
-    def _capture(self, b: int, last_only: bool, cache: LeanCache) -> tuple:
+    def _capture(self, b: int, last_only: bool, cache: LeanCache, capture: tuple[int, ...] = (),
+                 at: int = 0) -> tuple:
+        """Capture the bucket-b step as a graph. Warm-up runs it for real, writing KV at positions at..at+b-1:
+        slots that hold nothing yet (the empty buffer, or past the sequence in progress)."""
         ids = torch.zeros(b, dtype=torch.long, device=self.device)
-        pos = torch.arange(b, device=self.device)
+        pos = torch.arange(at, at + b, device=self.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture, as CUDA graphs require
             for _ in range(2):
-                self._step(ids, pos, cache, last_only)
+                self._step(ids, pos, cache, last_only, capture)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(ids, pos, cache, last_only)
+            out = self._step(ids, pos, cache, last_only, capture)
         return graph, ids, pos, out
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False) -> torch.Tensor:
-        """Same contract as LeanLM.forward; long prompts (beyond the largest bucket) go through LeanLM."""
+    def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False,
+                capture: tuple[int, ...] | None = None):
+        """Same contract as LeanLM.forward (with `capture`, (logits, hidden)); long prompts (beyond the
+        largest bucket) go through LeanLM."""
         q = ids.shape[0]
         start = cache.length
-        if q > self.buckets[-1]:
-            return self.lean.forward(ids, cache, last_only)  # prefill: one call, not worth a graph
+        capture = tuple(capture or ())
+        if q > self.buckets[-1]:  # prefill: one call, not worth a graph
+            return self.lean.forward(ids, cache, last_only, capture=capture or None)
         b = bucket_for(q, self.buckets)
         if start + b > cache.k.shape[2]:
             raise ValueError(f"static forward: positions up to {start + b} exceed the KV buffer "
@@ -289,14 +309,21 @@ class StaticLeanLM:
         if self.use_graphs:
             if cache is not self._graph_cache:
                 raise ValueError("static forward: this cache was not made by new_cache(); graphs replay on theirs")
-            graph, ids_buf, pos_buf, out = self._graphs[(b, graph_last)]
+            key = (b, graph_last) if not capture else (b, graph_last, capture)
+            if key not in self._graphs:  # a feature drafter's layers: captured on first use, past the sequence
+                self._graphs[key] = self._capture(b, graph_last, cache, capture, at=cache.k.shape[2] - b)
+            graph, ids_buf, pos_buf, out = self._graphs[key]
             ids_buf.copy_(ids)
             pos_buf.copy_(pos)
             graph.replay()
-            logits = out
+            # The hidden rows outlive this step (the drafter keeps them); the next replay overwrites `out`.
+            out = (out[0], out[1].clone()) if capture else out
         else:
-            logits = self._step(ids, pos, cache, graph_last)
+            out = self._step(ids, pos, cache, graph_last, capture)
         cache.length = start + q
+        logits, hidden = out if capture else (out, None)
         if last_only and not graph_last:
-            return logits[q - 1 : q]
-        return logits if graph_last else logits[:q]
+            logits = logits[q - 1 : q]
+        elif not graph_last:
+            logits = logits[:q]
+        return (logits, hidden[:q]) if capture else logits

@@ -25,7 +25,7 @@ from decoder.featdraft import (
 )
 from decoder.generate import ar_generate, generate, speculative_generate
 from decoder.lab.bench import first_divergence, top2_margin
-from decoder.lean import LeanLM
+from decoder.lean import LeanLM, StaticLeanLM
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 from decoder.proposer import Draft, Proposer
 
@@ -96,6 +96,28 @@ def test_block_and_mtp_drafters_are_lossless_for_every_block_size(k, target, lea
             assert g.stats.draft_steps > 0 and g.stats.drafted <= k * g.stats.draft_steps
 
 
+def test_feature_drafters_run_on_the_static_step(target, lean, prompts, references, untrained):
+    """`cuda_graphs`: the static bucketed step hands the drafters the same hidden states (eager on the CPU,
+    the code a CUDA graph captures), and feature drafters decode losslessly through it."""
+    static = StaticLeanLM(lean, max_len=512, use_graphs=False)
+    ids = torch.tensor(prompts[0][:20])
+    logits_a, hid_a = lean.forward(ids, lean.new_cache(), capture=(1, 3, 5))
+    logits_b, hid_b = static.forward(ids, static.new_cache(), capture=(1, 3, 5))
+    assert hid_a.shape == hid_b.shape == (20, 3 * target.config.hidden_size)
+    assert (hid_a.float() - hid_b.float()).abs().max() <= 0.02 * hid_a.float().abs().max()
+    assert torch.equal(logits_a.argmax(-1), logits_b.argmax(-1))
+    block, mtp = untrained
+    for prompt, ref in zip(prompts, references, strict=True):
+        for state in (BlockState(block, lean.embed, lean.lm_head), MTPState(mtp, lean.embed, lean.lm_head)):
+            g = speculative_generate(static, state, prompt, _cfg(5))
+            pos = first_divergence(g.tokens, ref)
+            if pos is not None:
+                with torch.inference_mode():
+                    margin = top2_margin(target, prompt + ref[:pos])
+                assert margin <= NEAR_TIE, (type(state).__name__, pos, margin)
+            assert g.stats.draft_steps > 0
+
+
 def test_drafts_that_are_always_right_are_all_accepted(lean, prompts, references):
     """A drafter that proposes the reference continuation is accepted in full: tau = k + 1 per step."""
 
@@ -144,8 +166,9 @@ def test_generate_dispatches_block_mtp_and_routed(target, prompts, references, u
     # A router that sends everything to prose (bias > 0, zero weights).
     DomainRouter([0.0] * vocab, 1.0).save(tmp_path / "router.json")
     heads = FeatureHeads(tmp_path, target.config, torch.bfloat16, torch.device("cpu"))
-    for drafter in ("block", "mtp", "routed"):
-        cfg = DecodeConfig(drafter=drafter, lean_forward=True, draft_len=5, max_new_tokens=40, stop_at_eos=False)
+    for drafter, graphs in (("block", False), ("mtp", False), ("routed", False), ("mtp", True)):
+        cfg = DecodeConfig(drafter=drafter, lean_forward=True, cuda_graphs=graphs, draft_len=5, max_new_tokens=40,
+                           stop_at_eos=False)
         g = generate(cfg, target, prompts[0], heads=heads)
         assert g.tokens == references[0], drafter
         if drafter == "routed":
