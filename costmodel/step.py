@@ -4,7 +4,8 @@ A forward of q new tokens for each of B requests at context L, weights in format
 
     time = max(bytes moved / bandwidth, FLOPs / peak) + fixed overheads
     bytes moved = weights (read once per step, shared by the batch)
-                + KV reads and writes (B * (L + q) * kv_bytes_per_token)
+                + KV reads and writes (B * (L + q) * kv_bytes_per_token; a sliding-window
+                  layer reads at most its window of the L cached tokens)
                 + recurrent state (read and written once per step, per request)
 
 An SD step = draft + verify (q = k + 1) + bookkeeping, and yields tau tokens per request.
@@ -75,7 +76,8 @@ def forward_time(hw: HardwareProfile, model: ModelProfile, q: int, batch: int = 
     _check_shape(q, batch, context)
     tokens = q * batch
     weight_bytes = model.weight_bytes(fmt, tokens)
-    kv_bytes = batch * (context + q) * model.kv_bytes_per_token(kv_dtype_bytes)  # read L, write q
+    # Read the cache held at context L (a sliding layer holds at most its window), write q new entries.
+    kv_bytes = batch * (model.kv_cache_bytes(context, kv_dtype_bytes) + q * model.kv_bytes_per_token(kv_dtype_bytes))
     state_bytes = 2 * batch * model.recurrent_state_bytes()  # read and write back, once per step
     # Each new token attends to the context plus, on average, half of the other new tokens.
     flops = tokens * model.flops_per_token(context + (q + 1) / 2)
