@@ -141,19 +141,28 @@ class BatchLM:
                 n, st, row = t[1].shape[0], starts[r], slots[r] - lo
                 mask[row, 0, 1 : n + 1, st : st + n + 1] = torch.cat(
                     [torch.ones(n, 1, dtype=torch.bool, device=dev), t[1]], dim=1)
-        cos = lean.cos.index_select(0, rope_pos)[:, None, :]  # [T, 1, hd]
+        sw_mask = mask  # sliding-window layers: a query at position p sees keys at p - window < j <= p
+        if lean.window is not None and Lk > lean.window:
+            qr, kr = qpos, torch.arange(Lk, device=dev)[None, :]  # positions of queries [n_range, qmax], keys
+            if rope_pos is not pos:  # tree rows (and their keys) sit at their own positions, not their slots
+                qr = qpos.clone().view(-1)
+                qr[dest] = rope_pos
+                qr = qr.view(n_range, qmax)
+                kr = kr.repeat(n_range, 1)
+                kr[row_slot - lo, pos] = rope_pos
+            sw_mask = mask & (kr[:, None, :] > qr[:, :, None] - lean.window)[:, None]  # [n_range, 1, qmax, Lk]
+        cos = lean.cos.index_select(0, rope_pos)[:, None, :]  # [T, 1, rot]
         sin = lean.sin.index_select(0, rope_pos)[:, None, :]
-        x = F.embedding(ids, lean.embed)  # [T, D]
+        x = lean.embed_ids(ids)  # [T, D]
         qpad = torch.zeros(n_range * qmax, lean.n_heads, lean.head_dim, dtype=self.dtype, device=dev)
-        gqa = lean.n_kv != lean.n_heads
 
         def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
             cache.k[li][row_slot, :, pos] = kh  # [T, KV, hd] into (slot, :, pos)
             cache.v[li][row_slot, :, pos] = vh
             qpad[dest] = qh
-            att = F.scaled_dot_product_attention(
+            att = lean.attention(
                 qpad.view(n_range, qmax, lean.n_heads, lean.head_dim).transpose(1, 2),
-                cache.k[li, lo:hi, :, :Lk], cache.v[li, lo:hi, :, :Lk], attn_mask=mask, enable_gqa=gqa,
+                cache.k[li, lo:hi, :, :Lk], cache.v[li, lo:hi, :, :Lk], sw_mask if lean.sliding[li] else mask,
             )  # [n_range, H, qmax, hd]
             return att.transpose(1, 2).reshape(n_range * qmax, lean.q_size)[dest]  # [T, H*hd]
 
@@ -641,7 +650,7 @@ class BatchEngine:
 
 
 def _n_params(lean: LeanLM) -> int:
-    return sum(w.numel() for layer in lean.layers for w in layer) + lean.embed.numel()
+    return sum(w.numel() for layer in lean.layers for w in layer.tensors()) + lean.embed.numel()
 
 
 def batch_generate(cfg: DecodeConfig, target, prompts: list[list[int]], max_batch: int, drafter_model=None,

@@ -1,27 +1,131 @@
-"""A lean Llama-family forward for decode and verify steps (mechanism `lean_forward`).
+"""A lean forward for Llama-style decoders on decode and verify steps (mechanism `lean_forward`).
 
 Loads its weights from the same Hugging Face model, fuses the Q/K/V and gate/up projections into
 one matmul each, and keeps a preallocated KV buffer whose rollback is a length change. It skips
 what the HF module stack pays for on every call (mask construction, cache objects, hooks, dispatch
 through a dozen modules), which dominates a decode step of a small model on a CPU. The HF path stays
 the reference: tests compare logits against it within the deployment's noise floor.
+
+Architectures (`SUPPORTED`): Llama, Mistral (sliding window), Qwen2 (q/k/v biases, optional sliding
+layers), Qwen3 (per-head q/k RMSNorm), Gemma (GELU-tanh, (1 + w) RMSNorm, embedding scaled by
+sqrt(hidden)), Gemma 2 (Gemma plus sandwich norms, attention and final logit soft-capping,
+query_pre_attn_scalar, alternating sliding-window layers) and Phi-3 (fused qkv and gate/up, partial
+rotary). Each feature costs nothing when a model does not use it. Anything else is refused at
+construction with a one-line `LeanUnsupported` (`lean_unsupported_reason` gives it from the config).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+# hidden_act / hidden_activation -> the function HF's ACT2FN entry computes
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+# RoPE variants whose cos/sin depend on the position only: the table comes from the model's own rotary
+# module. "dynamic" and "longrope" (Phi-3's su/yarn) rescale with the sequence length and are refused.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Why a model type outside SUPPORTED differs, for the refusal's one line.
+_REFUSED_WHY = {
+    "gpt2": "GPT-2 blocks: LayerNorm, learned positions, Conv1D c_attn",
+    "gpt_neox": "GPT-NeoX blocks: LayerNorm, parallel residual, partial rotary",
+    "gptj": "GPT-J blocks: parallel residual, interleaved rotary",
+    "phi": "Phi-1/2 blocks: LayerNorm, parallel residual",
+    "falcon": "Falcon blocks: parallel attention/MLP, multi-query layout",
+    "bloom": "ALiBi positions", "mpt": "ALiBi positions",
+    "opt": "learned positions, LayerNorm",
+    "mixtral": "mixture-of-experts MLP", "qwen2_moe": "mixture-of-experts MLP",
+    "qwen3_moe": "mixture-of-experts MLP", "phimoe": "mixture-of-experts MLP", "olmoe": "mixture-of-experts MLP",
+    "deepseek_v2": "mixture-of-experts MLP, latent attention",
+    "deepseek_v3": "mixture-of-experts MLP, latent attention",
+    "gpt_oss": "mixture-of-experts MLP, attention sinks",
+    "mamba": "recurrent (state-space) layers", "mamba2": "recurrent (state-space) layers",
+    "falcon_mamba": "recurrent (state-space) layers", "recurrent_gemma": "recurrent layers",
+    "jamba": "recurrent (Mamba) layers, mixture-of-experts MLP",
+    "qwen3_next": "linear-attention (recurrent) layers, mixture-of-experts MLP",
+    "gemma3": "per-layer-type RoPE, q/k norms", "gemma3_text": "per-layer-type RoPE, q/k norms",
+    "cohere": "LayerNorm, parallel residual", "olmo2": "q/k norms over all heads, post-norms",
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 # attend(layer, q [T, H, hd], k [T, KV, hd], v [T, KV, hd]) -> [T, H * hd]: a forward's cache and mask
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LeanUnsupported(ValueError):
     """The model's architecture is outside what the lean forward implements."""
+
+
+def _activation_name(config) -> str | None:
+    if config.model_type in ("gemma", "gemma2"):  # Gemma 2 names it hidden_activation
+        return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    return getattr(config, "hidden_act", None)
+
+
+def _rope_type(config) -> str:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        return "per-layer-type"  # one RoPE per attention kind (Gemma 3 style)
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def _layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: full causal attention), as the HF model applies it."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in ("mistral", "phi3"):  # one window for every layer when the config sets one
+        return [window] * n
+    if config.model_type not in ("qwen2", "qwen3", "gemma2"):
+        return [None] * n
+    types = getattr(config, "layer_types", None)
+    if types is None:  # transformers without layer_types: the rule those versions applied
+        if config.model_type == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif getattr(config, "use_sliding_window", False):
+            types = ["sliding_attention" if i >= config.max_window_layers else "full_attention" for i in range(n)]
+        else:
+            return [None] * n
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def lean_unsupported_reason(config) -> str | None:
+    """Why the lean forward cannot run a model with this config, in one line; None when it can.
+    Reads the config only (no weights), so a caller can decide which methods to run before loading."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED:
+        why = _REFUSED_WHY.get(mt)
+        experts = next((getattr(config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(config, a, None)), None)
+        if why is None and experts:
+            why = f"mixture-of-experts MLP, {experts} experts"
+        return (f"lean forward: model_type {mt!r}{f' ({why})' if why else ''} is not supported "
+                f"(supported: {', '.join(SUPPORTED)}); use the HF path")
+    act = _activation_name(config)
+    if act not in ACTIVATIONS:
+        return (f"lean forward: activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)}); "
+                f"use the HF path")
+    rope = _rope_type(config)
+    if rope not in ROPE_TYPES:
+        return (f"lean forward: RoPE scaling {rope!r} is not implemented (implemented: {', '.join(ROPE_TYPES)}); "
+                f"use the HF path")
+    if mt in ("qwen2", "qwen3", "gemma2"):
+        odd = sorted({t for t in getattr(config, "layer_types", None) or () if t not in _LAYER_TYPES})
+        if odd:
+            return (f"lean forward: attention layer type {', '.join(map(repr, odd))} is not supported "
+                    f"(supported: {', '.join(_LAYER_TYPES)}); use the HF path")
+    bad = next((w for w in _layer_windows(config) if w is not None and (not isinstance(w, int) or w < 1)), None)
+    if bad is not None:
+        return (f"lean forward: sliding_window = {bad!r} is not a positive token count; fix the config "
+                f"or use the HF path")
+    return None
 
 
 @dataclass
@@ -40,8 +144,8 @@ class LeanCache:
         self.length = min(self.length, keep)
 
     def compact(self, start: int, rows: torch.Tensor) -> None:
-        """Keep the entries at slots start + rows (ascending offsets, e.g. a tree's accepted path) as
-        slots start.. start + len(rows) - 1, in place, and drop the rest: after a tree verify the cache
+        """Keep the entries at slots start + rows (ascending offsets, e.g. a tree's accepted path) as slots
+        start.. start + len(rows) - 1, in place, and drop the rest: after a tree verify the cache
         reads as if only the accepted path had been fed. rows: [n] long."""
         n = rows.shape[0]
         src = rows + start
@@ -51,48 +155,108 @@ class LeanCache:
         self.length = start + n
 
 
+@dataclass(slots=True)
+class LeanLayer:
+    """One decoder layer's weights as the lean body reads them; None where the architecture lacks the piece."""
+
+    ln1: torch.Tensor  # input norm
+    wqkv: torch.Tensor  # [(H+2KV)*hd, D]
+    bqkv: torch.Tensor | None  # Qwen2, attention_bias
+    wo: torch.Tensor  # [D, H*hd]
+    bo: torch.Tensor | None
+    ln2: torch.Tensor  # norm before the MLP
+    wgu: torch.Tensor  # [2I, D]: gate rows, then up rows
+    bgu: torch.Tensor | None  # mlp_bias
+    wdown: torch.Tensor  # [D, I]
+    bdown: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head's q and k
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None  # Gemma 2: norms on the attention and MLP outputs
+    post_mlp: torch.Tensor | None = None
+    window: int | None = None  # sliding window in tokens; None: full causal attention
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
+
+
+def _fuse(mods) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linear layers' weights (and biases, zeros where one has none) into one projection."""
+    w = torch.cat([m.weight for m in mods]).contiguous()
+    if all(m.bias is None for m in mods):
+        return w, None
+    return w, torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods])
+
+
 class LeanLM:
     """Batch-1 causal LM forward over a LeanCache. `forward(ids [q], cache, last_only)` -> logits [q|1, V]."""
 
     def __init__(self, model, max_len: int = 2048) -> None:
         cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise LeanUnsupported(f"lean forward: model_type {cfg.model_type!r} is not supported "
-                                  f"(supported: {', '.join(SUPPORTED)}); use the HF path")
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.model_type == "qwen2":
-            raise LeanUnsupported("lean forward: attention/MLP biases are not supported; use the HF path")
+        reason = lean_unsupported_reason(cfg)
+        if reason is not None:
+            raise LeanUnsupported(reason)
         self.config = cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         inner = model.model
+        mt = cfg.model_type
+        gemma = mt in ("gemma", "gemma2")
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
+        self.gqa = self.n_kv != self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len
+        self.act = ACTIVATIONS[_activation_name(cfg)]
+        # Gemma's RMSNorm scales by (1 + w) in fp32 and casts after; the stored weight is 1 + w, in fp32.
+        self.norm = self._rms_gemma if gemma else self._rms
+        nw = (lambda m: 1.0 + m.weight.float()) if gemma else (lambda m: m.weight)
+        # Gemma 2: softmax scale from query_pre_attn_scalar, tanh soft-capping of scores and logits.
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if mt == "gemma2" else None  # None: SDPA's 1/sqrt(hd)
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if mt == "gemma2" else None
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if mt == "gemma2" else None
         self.embed = inner.embed_tokens.weight  # [V, D]
+        self.embed_scale = None  # Gemma multiplies the embedding by sqrt(D), rounded to the model's dtype
+        if gemma:
+            scale = getattr(inner.embed_tokens, "embed_scale", None)
+            scale = scale if scale is not None else torch.tensor(cfg.hidden_size ** 0.5)
+            self.embed_scale = scale.to(device=self.device, dtype=self.dtype)
+        if getattr(model.lm_head, "bias", None) is not None:
+            raise LeanUnsupported("lean forward: an LM head with a bias is not supported; use the HF path")
         self.lm_head = model.lm_head.weight  # [V, D] (the same tensor when tied)
-        self.final_norm = inner.norm.weight
-        self.layers = []
-        for layer in inner.layers:
+        self.final_norm = nw(inner.norm)
+        windows = _layer_windows(cfg)
+        self.layers: list[LeanLayer] = []
+        for layer, window in zip(inner.layers, windows, strict=True):
             a, m = layer.self_attn, layer.mlp
-            self.layers.append((
-                layer.input_layernorm.weight,
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),  # [(H+2KV)*hd, D]
-                a.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),  # [2I, D]
-                m.down_proj.weight,
+            wqkv, bqkv = _fuse([a.qkv_proj] if hasattr(a, "qkv_proj") else [a.q_proj, a.k_proj, a.v_proj])
+            wgu, bgu = _fuse([m.gate_up_proj] if hasattr(m, "gate_up_proj") else [m.gate_proj, m.up_proj])
+            sandwich = mt == "gemma2"  # post_attention_layernorm is on the attention output there
+            self.layers.append(LeanLayer(
+                ln1=nw(layer.input_layernorm), wqkv=wqkv, bqkv=bqkv, wo=a.o_proj.weight, bo=a.o_proj.bias,
+                ln2=nw(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                wgu=wgu, bgu=bgu, wdown=m.down_proj.weight, bdown=m.down_proj.bias,
+                q_norm=a.q_norm.weight if mt == "qwen3" else None, k_norm=a.k_norm.weight if mt == "qwen3" else None,
+                post_attn=nw(layer.post_attention_layernorm) if sandwich else None,
+                post_mlp=nw(layer.post_feedforward_layernorm) if sandwich else None, window=window,
             ))
+        self.sliding = tuple(ly.window is not None for ly in self.layers)
+        self.window = next((ly.window for ly in self.layers if ly.window is not None), None)
+        hf_act = getattr(inner.layers[0].mlp, "act_fn", None) or getattr(inner.layers[0].mlp, "activation_fn", None)
+        probe = torch.linspace(-6, 6, 49, device=self.device)
+        if hf_act is not None and not torch.allclose(hf_act(probe), self.act(probe), atol=1e-5, rtol=1e-5):
+            raise LeanUnsupported(f"lean forward: this transformers build computes activation "
+                                  f"{_activation_name(cfg)!r} differently from torch's; use the HF path")
         # RoPE tables from the model's own rotary module, so scaled variants (llama3, yarn...) match.
         with torch.no_grad():
             pos = torch.arange(max_len, device=self.device)[None]
             dummy = torch.zeros(1, 1, self.head_dim, device=self.device, dtype=self.dtype)
             cos, sin = inner.rotary_emb(dummy, pos)
-        self.cos, self.sin = cos[0], sin[0]  # [max_len, hd]
+        self.cos, self.sin = cos[0], sin[0]  # [max_len, rot]: rot < hd with partial rotary (Phi-3)
+        self.rope = self._rope if self.cos.shape[-1] == self.head_dim else self._rope_partial
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
-        self.inter = self.layers[0][4].shape[0] // 2
+        self.inter = self.layers[0].wgu.shape[0] // 2
 
     def new_cache(self, max_len: int | None = None) -> LeanCache:
         n = max_len or self.max_len
@@ -106,30 +270,72 @@ class LeanLM:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * h.to(x.dtype)
 
+    def _rms_gemma(self, x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+        # As HF's GemmaRMSNorm: normalise and scale by (1 + w) (w1, fp32) in fp32, then cast back.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * w1).type_as(x)
+
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
 
+    @staticmethod
+    def _rope_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = cos.shape[-1]  # rotate the first r dims of each head, pass the rest through
+        return torch.cat([LeanLM._rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> input rows [T, D]."""
+        x = F.embedding(ids, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, q, hd], k and v [B, KV, L, hd], mask (True = may attend) broadcast to [B, H, q, L]
+        or None -> [B, H, q, hd]."""
+        if self.attn_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa, scale=self.scale)
+        # Gemma 2 soft-caps the scores (tanh) before the mask and softmax, which SDPA cannot express.
+        if self.gqa:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        cap = self.attn_softcap
+        s = torch.tanh(q @ k.transpose(-1, -2) * (self.scale or self.head_dim ** -0.5) / cap) * cap  # [B, H, q, L]
+        if mask is not None:
+            s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
     def layer(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Decoder layer `li` on rows x [T, D], the one layer body of every forward (single request, static,
-        batched): norm, fused QKV, RoPE (cos, sin [T, 1, hd]), `attend`, output projection, norm, fused
+        batched): norm, fused QKV, RoPE (cos, sin [T, 1, rot]), `attend`, output projection, norm, fused
         gate/up MLP. `attend(li, q [T, H, hd], k [T, KV, hd], v [T, KV, hd])` stores k and v where its
-        cache keeps them and returns the attention output [T, H * hd]."""
-        ln1, wqkv, wo, ln2, wgu, wdown = self.layers[li]
+        cache keeps them and returns the attention output [T, H * hd] (with layer li's window)."""
+        ly = self.layers[li]
         t = x.shape[0]
-        qkv = F.linear(self._rms(x, ln1), wqkv)  # [T, (H+2KV)*hd]
+        qkv = F.linear(self.norm(x, ly.ln1), ly.wqkv, ly.bqkv)  # [T, (H+2KV)*hd]
         q = qkv[:, : self.q_size].view(t, self.n_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.n_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.head_dim)
-        x = x + F.linear(attend(li, self._rope(q, cos, sin), self._rope(k, cos, sin), v), wo)
-        gu = F.linear(self._rms(x, ln2), wgu)  # [T, 2I]
-        return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], wdown)
+        if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+            q, k = self._rms(q, ly.q_norm), self._rms(k, ly.k_norm)
+        o = F.linear(attend(li, self.rope(q, cos, sin), self.rope(k, cos, sin), v), ly.wo, ly.bo)
+        if ly.post_attn is not None:
+            o = self.norm(o, ly.post_attn)
+        x = x + o
+        gu = F.linear(self.norm(x, ly.ln2), ly.wgu, ly.bgu)  # [T, 2I]
+        mlp = F.linear(self.act(gu[:, : self.inter]) * gu[:, self.inter :], ly.wdown, ly.bdown)
+        if ly.post_mlp is not None:
+            mlp = self.norm(mlp, ly.post_mlp)
+        return x + mlp
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden rows [T, D] -> logits [T, V]."""
-        return F.linear(self._rms(x, self.final_norm), self.lm_head)
+        logits = F.linear(self.norm(x, self.final_norm), self.lm_head)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False,
@@ -152,23 +358,35 @@ class LeanLM:
             raise ValueError(f"lean forward: sequence length {end} exceeds the KV buffer ({cache.k.shape[2]}); "
                              f"create the cache with a larger max_len")
         if positions is None:
-            cos, sin = self.cos[start:end, None], self.sin[start:end, None]  # [q, 1, hd]
+            cos, sin = self.cos[start:end, None], self.sin[start:end, None]  # [q, 1, rot]
         else:
             cos, sin = self.cos.index_select(0, positions)[:, None], self.sin.index_select(0, positions)[:, None]
-        x = F.embedding(ids, self.embed)  # [q, D]
+        x = self.embed_ids(ids)  # [q, D]
         hidden: list[torch.Tensor] = []
         mask = attn_mask
         if mask is None and q > 1:  # block-causal: new token i sees the cache and new tokens 0..i
             mask = torch.ones(q, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
-        gqa = self.n_kv != self.n_heads
+        # Sliding-window layers: a query at position p sees keys at positions p - window < j <= p. Keys
+        # before slot `lo` are outside every query's window, so those layers read the cache from lo on.
+        lo, sw_mask = 0, mask
+        if self.window is not None and end > self.window:
+            if positions is None:  # slot = position
+                lo = max(0, start - self.window + 1)
+                qpos, kpos = torch.arange(start, end, device=ids.device), torch.arange(lo, end, device=ids.device)
+            else:  # this call's keys sit at the given positions; cached keys' slots are their positions
+                # (a draft tree grown over several calls measures its older nodes by slot: lossless anyway)
+                qpos, kpos = positions, torch.cat([torch.arange(start, device=ids.device), positions])
+            near = kpos[None, :] > qpos[:, None] - self.window  # [q, end - lo]
+            sw_mask = near if mask is None else mask[:, lo:] & near
+            if q == 1 and positions is None:  # one decode step: every key from lo on is in its window
+                sw_mask = None
 
         def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
             cache.k[li, :, start:end] = kh.transpose(0, 1)
             cache.v[li, :, start:end] = vh.transpose(0, 1)
-            att = F.scaled_dot_product_attention(
-                qh.transpose(0, 1)[None], cache.k[li : li + 1, :, :end], cache.v[li : li + 1, :, :end],
-                attn_mask=mask, enable_gqa=gqa,
-            )  # [1, H, q, hd]
+            k0, m = (lo, sw_mask) if self.sliding[li] else (0, mask)
+            att = self.attention(qh.transpose(0, 1)[None], cache.k[li : li + 1, :, k0:end],
+                                 cache.v[li : li + 1, :, k0:end], m)  # [1, H, q, hd]
             return att[0].transpose(0, 1).reshape(q, self.q_size)
 
         for li in range(len(self.layers)):
@@ -249,19 +467,20 @@ class StaticLeanLM:
         `capture`, (logits, hidden [b, len(capture) * D]) as LeanLM.forward returns them."""
         lean = self.lean
         b = ids.shape[0]
-        cos, sin = lean.cos.index_select(0, pos)[:, None], lean.sin.index_select(0, pos)[:, None]  # [b, 1, hd]
+        cos, sin = lean.cos.index_select(0, pos)[:, None], lean.sin.index_select(0, pos)[:, None]  # [b, 1, rot]
         mask = self._keys[None, :] <= pos[:, None]  # [b, max_len]: keys at or before each query
-        gqa = lean.n_kv != lean.n_heads
+        sw_mask = mask  # sliding-window layers: and within the window (a tensor test, so graph-safe)
+        if lean.window is not None:
+            sw_mask = mask & (self._keys[None, :] > pos[:, None] - lean.window)
 
         def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
             cache.k[li].index_copy_(1, pos, kh.transpose(0, 1))
             cache.v[li].index_copy_(1, pos, vh.transpose(0, 1))
-            att = F.scaled_dot_product_attention(
-                qh.transpose(0, 1)[None], cache.k[li : li + 1], cache.v[li : li + 1], attn_mask=mask, enable_gqa=gqa,
-            )  # [1, H, b, hd]
+            att = lean.attention(qh.transpose(0, 1)[None], cache.k[li : li + 1], cache.v[li : li + 1],
+                                 sw_mask if lean.sliding[li] else mask)  # [1, H, b, hd]
             return att[0].transpose(0, 1).reshape(b, lean.q_size)
 
-        x = F.embedding(ids, lean.embed)  # [b, D]
+        x = lean.embed_ids(ids)  # [b, D]
         hidden: list[torch.Tensor] = []
         for li in range(len(lean.layers)):
             x = lean.layer(li, x, cos, sin, attend)
