@@ -470,7 +470,7 @@ class StaticLeanLM:
         cos, sin = lean.cos.index_select(0, pos)[:, None], lean.sin.index_select(0, pos)[:, None]  # [b, 1, rot]
         mask = self._keys[None, :] <= pos[:, None]  # [b, max_len]: keys at or before each query
         sw_mask = mask  # sliding-window layers: and within the window (a tensor test, so graph-safe)
-        if lean.window is not None:
+        if lean.window is not None and lean.window < self.max_len:
             sw_mask = mask & (self._keys[None, :] > pos[:, None] - lean.window)
 
         def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
