@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from decoder.proposer import Draft, Proposer, Verdict
-from decoder.runners import as_runner, crop_cache
+from decoder.runners import as_runner, rollback
 
 
 class Drafter(Proposer):
@@ -84,8 +84,8 @@ class DraftModelDrafter(Drafter):
         # Valid prefix: the committed sequence before the step plus the accepted drafts the cache saw.
         before = len(tokens) - n_accepted - 1
         keep = before + min(n_accepted, self._fed)
-        if keep < self.cache_len:
-            crop_cache(self.cache, keep)
+        if keep <= self.cache_len:  # == : every fed draft survived, a commit point for a recurrent cache
+            self.forwards += rollback(self.model, self.cache, keep, tokens) > 0
             self.cache_len = keep
 
 

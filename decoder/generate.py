@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoder.capabilities import Unsupported, check  # noqa: F401 (Unsupported re-exported)
 from decoder.config import FEATURE_DRAFTERS, DecodeConfig
 from decoder.dcut import DCutDrafter
 from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.lean import LeanLM, StaticLeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
 from decoder.proposer import Draft, Proposer, Verdict
-from decoder.runners import HFRunner, as_runner, crop_cache  # noqa: F401 (re-exported)
+from decoder.runners import HFRunner, as_runner, crop_cache, rollback  # noqa: F401 (re-exported)
 from decoder.tree import TreeDrafter, TwoLevelDrafter, tree_accept, tree_attention_mask, tree_positions
 from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
 
@@ -157,6 +158,7 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
 
         start = cache.get_seq_length()  # the last committed token's slot
         inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft.tokens])  # [1 + N]
+        assert start == len(tokens) - 1, "the cache holds every committed token but the last"
         if tree is None:
             out = target.forward(inp, cache, **hook)  # [1 + k, V]
         else:
@@ -185,9 +187,13 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
             n = result[0]
             committed = result[1 : n + 2]
             path, fed = list(range(n)), []
-            crop_cache(cache, len(tokens) + n)  # keep the last committed token and the n accepted drafts
             rows = hidden[: n + 1] if capture else None
         tokens.extend(committed)
+        if tree is None:  # keep the step's input token and the n accepted drafts: all committed but the last
+            refed = rollback(target, cache, len(tokens) - 1, tokens)
+            if refed:  # a recurrent target fed the accepted tokens again: target work like any forward
+                stats.target_forwards += 1
+                stats.target_tokens += refed
         proposer.accepted(tokens, Verdict(n, path, fed, rows))
         if k > 0:
             stats.draft_steps += 1
@@ -215,6 +221,8 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
     `heads` (decoder.featdraft.FeatureHeads) holds the target's block drafter, MTP heads and router,
     needed for drafter = block, mtp or routed.
     """
+    drafter_cfg = drafter_model.config if drafter_model is not None and cfg.drafter == "draft-model" else None
+    check(cfg, target.config, drafter_cfg)  # one line before any work when this model cannot run cfg
     if cfg.method == "sd" and cfg.drafter == "routed":
         if heads is None:
             raise ValueError("drafter = 'routed' needs the target's router (FeatureHeads); serve loads it from "

@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from decoder.capabilities import refusal
 from decoder.config import DecodeConfig, verify_width
 from decoder.contract import near_tie
-from decoder.generate import crop_cache, generate
+from decoder.generate import generate
 from decoder.models import (
     ModelLoadError,
+    check_model_dir,
     check_same_tokenizer,
     demo_deployment,
     load_causal_lm,
@@ -31,6 +33,7 @@ from decoder.models import (
 )
 from decoder.presets import BLOCK_DRAFT_LEN, DCUT_MAX_LEN, MTP_DRAFT_LEN, PRESETS, preset_config
 from decoder.profiler import DecodeStats
+from decoder.runners import HFRunner
 from decoder.w12 import apply_w12
 
 OUR_METHODS = ("ar", "sd-draft-model", "sd-ngram")
@@ -141,8 +144,15 @@ def load_prompts(spec: str, prompt_dir: Path | None) -> tuple[str, list[Prompt]]
         path = Path(spec)
         if not path.is_file():
             raise BenchError(f"--prompts {spec}: no such file; use code, prose or a path to a .jsonl file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BenchError(f"--prompts {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                         f"save the file as UTF-8") from None
+    except OSError as e:
+        raise BenchError(f"--prompts {path}: cannot read it ({e.strerror}); pass a readable .jsonl file") from None
     prompts = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -262,33 +272,33 @@ class Bench:
 @torch.inference_mode()
 def noise_floor(target, sequences: list[tuple[list[int], list[int]]], chunk_sizes: tuple[int, ...]) -> float:
     """Largest |logit| difference between one-token forwards and multi-token forwards (a full
-    teacher-forced forward, and chunked forwards of each verify width) over the same contexts."""
-    from transformers import DynamicCache
+    teacher-forced forward, and chunked forwards of each verify width) over the same contexts.
 
-    device = next(target.parameters()).device
+    Through the stock runner (decoder/runners.py), so every cache kind the decode loop uses (sliding
+    windows, recurrent layers) is measured the way it decodes; chunks follow each other without rollback."""
+    runner = HFRunner(target)
+    device = runner.device
     worst = 0.0
     for prompt, cont in sequences:
-        if len(cont) < 2:
+        if len(cont) < 2 or len(prompt) < 2:
             continue
-        seq = torch.tensor([prompt + cont], device=device)
+        seq = prompt + cont
         n = len(cont)
         # One token at a time, as AR decoding computes them: logits predicting cont[0..n-1].
-        cache = DynamicCache(config=target.config)
-        one = [target(input_ids=seq[:, : len(prompt)], past_key_values=cache, logits_to_keep=1).logits[0, -1]]
+        cache = runner.new_cache()
+        one = [runner.forward(torch.tensor(prompt, device=device), cache, last_only=True)[-1]]
         for i in range(n - 1):
-            one.append(target(input_ids=seq[:, len(prompt) + i : len(prompt) + i + 1],
-                              past_key_values=cache).logits[0, -1])
+            one.append(runner.forward(torch.tensor([cont[i]], device=device), cache)[-1])
         one_t = torch.stack(one).float()  # [n, V]
-        full = target(input_ids=seq[:, : len(prompt) + n - 1]).logits[0, len(prompt) - 1 :].float()  # [n, V]
-        worst = max(worst, (full - one_t).abs().max().item())
+        full = target(input_ids=torch.tensor([seq[: len(prompt) + n - 1]], device=device)).logits[0]
+        worst = max(worst, (full[len(prompt) - 1 :].float() - one_t).abs().max().item())
         for c in chunk_sizes:
-            cache = DynamicCache(config=target.config)
-            target(input_ids=seq[:, : len(prompt)], past_key_values=cache, logits_to_keep=1)
+            cache = runner.new_cache()
+            runner.forward(torch.tensor(prompt[:-1], device=device), cache, last_only=True)
             rows, pos = [], len(prompt) - 1
             while pos < len(prompt) + n - 1:
-                crop_cache(cache, pos)
                 width = min(c, len(prompt) + n - 1 - pos)
-                rows.append(target(input_ids=seq[:, pos : pos + width], past_key_values=cache).logits[0])
+                rows.append(runner.forward(torch.tensor(seq[pos : pos + width], device=device), cache))
                 pos += width
             chunked = torch.cat(rows).float()[:n]
             worst = max(worst, (chunked - one_t).abs().max().item())
@@ -319,6 +329,46 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir: Path, drafter_dir: Path | None,
+                   cfg: DecodeConfig, ngram_draft_len: int, tree: TreeSettings, feature: FeatureSettings,
+                   ) -> tuple[tuple[str, ...], list[dict]]:
+    """The methods that can run on this deployment, and the skipped ones with their reasons, from the model
+    configs alone (no weights). A method named explicitly (not `skip_unsupported`) that cannot run is a
+    BenchError naming it and the reason."""
+    from transformers import AutoConfig
+
+    def config_of(path: Path, role: str):
+        try:
+            return AutoConfig.from_pretrained(str(check_model_dir(path, role)), local_files_only=True)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"{role} config at {path} cannot be read: {first}") from e
+
+    target_cfg = config_of(target_dir, "target")
+    drafter_cfg = config_of(drafter_dir, "drafter") if drafter_dir else None
+    heads_root = Path(feature.drafters) if feature.drafters else Path(target_dir) / "drafters"
+    keep, skipped = [], []
+    for name in methods:
+        why = None
+        if name in DRAFT_MODEL_METHODS and drafter_dir is None:
+            why = "needs a draft model (--drafter DIR)"
+        elif name in FEATURE_METHODS and not heads_root.is_dir():
+            why = (f"no feature drafters at {heads_root}; train them with `specpilot train drafter --kind "
+                   f"{'block' if name == 'sd-block' else 'mtp'} --target {target_dir}`")
+        elif name in PRESETS:
+            flags = {**tree.overrides(name), **feature.overrides(name)}
+            if "ngram" in name:
+                flags["draft_len"] = ngram_draft_len
+            why = refusal(preset_config(name, cfg, **flags), target_cfg, drafter_cfg, cfg.dtype)
+        if why is None:
+            keep.append(name)
+        elif skip_unsupported and name != REFERENCE:
+            skipped.append({"name": name, "reason": why})
+        else:
+            raise BenchError(f"--methods {name}: {why}")
+    return tuple(keep), skipped
+
+
 def load_bench_inputs(target_dir: Path, drafter_dir: Path | None, needs_drafter: bool, prompts_spec: str,
                       prompt_dir: Path | None, limit: int | None, dtype: str, device: str) -> tuple:
     """(prompt set name, prompts, tokenizer, target, drafter or None): what both benches load first."""
@@ -339,15 +389,24 @@ def run_bench(
     draft_len: int = 3, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
     dtype: str = "bfloat16", device: str = "cpu",
     limit: int | None = None, noise_prompts: int = 4, progress: bool = True, tree: TreeSettings | None = None,
-    feature: FeatureSettings | None = None,
+    feature: FeatureSettings | None = None, skip_unsupported: bool = False,
 ) -> dict:
-    """Run every method on every prompt; return the JSON report (see the issue's contract)."""
+    """Run every method on every prompt; return the JSON report (see the issue's contract).
+
+    A method that cannot run on this target (decoder/capabilities.py: architecture, missing drafter) is a
+    one-line BenchError before any work, or, with `skip_unsupported` (the default method set), left out and
+    listed in the report's "skipped" with its reason."""
     if max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     check_known("--methods", methods, KNOWN_METHODS)
     if REFERENCE not in methods:
         methods = (REFERENCE, *methods)  # the reference every output is checked against
     feature = feature or FeatureSettings()
+    tree = tree or TreeSettings()
+    cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
+                       ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype, device=device)
+    methods, skipped = select_methods(methods, skip_unsupported, target_dir, drafter_dir, cfg, ngram_draft_len,
+                                      tree, feature)
     needs_drafter = any(m in DRAFT_MODEL_METHODS for m in methods) or (
         "sd-routed" in methods and "draft-model" in (feature.route_code, feature.route_prose))
     if needs_drafter and drafter_dir is None:
@@ -355,9 +414,6 @@ def run_bench(
     prompts_name, prompts, tok, target, drafter = load_bench_inputs(
         target_dir, drafter_dir, needs_drafter, prompts_spec, prompt_dir, limit, dtype, device)
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
-    cfg = DecodeConfig(method="sd", drafter="draft-model", draft_len=draft_len, max_new_tokens=max_new_tokens,
-                       ngram_max=ngram_max, ngram_min=ngram_min, dtype=dtype, device=device)
-    tree = tree or TreeSettings()
     heads = None
     if any(m in FEATURE_METHODS for m in methods):
         from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
@@ -405,8 +461,7 @@ def run_bench(
     k_widths = {draft_len + 1, ngram_draft_len + 1} | {verify_width(bench.config(m)) for m in methods if m in PRESETS}
     k_widths = tuple(sorted(w for w in k_widths if w > 1))
     pairs = [(ids, ref[:64]) for ids, ref in zip(encoded[:noise_prompts], reference[:noise_prompts], strict=True)]
-    floor = noise_floor(target, pairs,
-                        k_widths)
+    floor = noise_floor(target, pairs, k_widths)
     hf = results[REFERENCE]
     report_methods = []
     for name, res in results.items():
@@ -485,6 +540,7 @@ def run_bench(
         "reference_repeated_4gram_fraction": round(
             sum(repeated_ngram_fraction(r) for r in reference) / max(1, len(reference)), 4),
         "methods": report_methods,
+        "skipped": skipped,
         "num_prompts": len(prompts),
         "dtype": dtype,
         "device": device,
@@ -540,6 +596,8 @@ def format_table(report: dict) -> str:
                      "prose -> {route_prose}".format(**feat) +
                      (f"; routed {routed['routes']} at {routed['route_us_per_request']:.0f} us per request"
                       if routed else ""))
+    for sk in report.get("skipped") or []:
+        lines.append(f"skipped {sk['name']}: {sk['reason']}")
     lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
     lines.append("all methods lossless (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")

@@ -1,0 +1,62 @@
+"""What a decoding configuration can run on a model, decided from the configs alone (no weights).
+
+Every decoding path either runs an architecture correctly or refuses it in one line before any work:
+`refusal(cfg, target_config, drafter_config)` names why `cfg` cannot run (None when it can). The bench
+picks the methods that can run and lists the skipped ones with these reasons; `generate` raises
+`Unsupported` with the same line.
+
+- The HF path runs every causal LM transformers loads. Speculative decoding on it needs a rollback: attention
+  caches crop; recurrent layers (Mamba/Mamba2, GatedDeltaNet, short convolutions) restore the state saved
+  before the step and re-feed the accepted tokens (decoder/runners.py: RollbackCache).
+- The lean forward (and what is built on it: feature drafters, tree and two-level verification, D-cut,
+  cuda graphs, the batched engine) covers the architectures `decoder.lean.lean_unsupported_reason` accepts.
+- Tree verification feeds a tree of drafts in one forward under a tree mask; a recurrent layer would need a
+  state per branch, so trees over recurrent targets are refused.
+"""
+
+from __future__ import annotations
+
+from decoder.config import DecodeConfig
+from decoder.lean import lean_unsupported_reason
+from decoder.runners import recurrent_layers
+
+
+class Unsupported(ValueError):
+    """A decoding configuration cannot run on this model; the message is one line naming why and the fix."""
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | None = None) -> str | None:
+    """Why `cfg` cannot decode with this target (and drafter), in one line; None when it can."""
+    target = _text(target_config)
+    recurrent = recurrent_layers(target)
+    uses_drafter_model = cfg.method == "sd" and cfg.drafter == "draft-model"
+    if cfg.lean_forward:
+        why = lean_unsupported_reason(target)
+        if why:
+            return f"target: {why}"
+        if uses_drafter_model and drafter_config is not None:
+            why = lean_unsupported_reason(_text(drafter_config))
+            if why:
+                return f"drafter: {why}"
+    if cfg.method == "sd" and cfg.verify in ("tree", "two-level") and recurrent:
+        return (f"{cfg.verify} verification over recurrent layers ({', '.join(recurrent)}) needs one state per "
+                f"branch, which is not implemented; use verify = 'chain'")
+    if cfg.weight_format == "w12" and dtype not in (None, "bfloat16"):
+        return f"w12 weights pack bf16 weights; the model is loaded as {dtype} (use --dtype bfloat16)"
+    if uses_drafter_model and drafter_config is not None:
+        tv, dv = getattr(target, "vocab_size", None), getattr(_text(drafter_config), "vocab_size", None)
+        if tv is not None and dv is not None and dv != tv:
+            return (f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv}); a drafter must "
+                    f"share the target's tokenizer")
+    return None
+
+
+def check(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | None = None) -> None:
+    """Raise Unsupported when `refusal` names a reason."""
+    why = refusal(cfg, target_config, drafter_config, dtype)
+    if why:
+        raise Unsupported(why)
