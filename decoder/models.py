@@ -51,6 +51,37 @@ def check_model_dir(path: Path, role: str) -> Path:
     return path
 
 
+def _first_line(e: BaseException) -> str:
+    """`Type: first line of the message`: enough to say what failed, never a multi-line dump."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def model_config(path: Path, role: str) -> dict:
+    """The parsed config.json of a model directory (ModelLoadError when it is missing or not a JSON object)."""
+    path = check_model_dir(path, role)
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{role} model at {path}: config.json is unreadable ({_first_line(e)}); "
+                             f"re-download or re-save the model") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{role} model at {path}: config.json is not a JSON object; re-download or re-save "
+                             f"the model")
+    return cfg
+
+
+def max_positions(path: Path, role: str = "target") -> int | None:
+    """Positions the model was built for (prompt and generated tokens together), or None if its config
+    does not say."""
+    cfg = model_config(path, role)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = cfg.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
 def load_causal_lm(path: Path, role: str, dtype: str = "bfloat16", device: str = "cpu"):
     """An `AutoModelForCausalLM` from a local directory, in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
@@ -59,9 +90,9 @@ def load_causal_lm(path: Path, role: str, dtype: str = "bfloat16", device: str =
     dev = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), local_files_only=True)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{role} model at {path} failed to load: {first}") from e
+    except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers each raise their own types
+        raise ModelLoadError(f"{role} model at {path} failed to load ({_first_line(e)}); check its config.json "
+                             f"and weights (a truncated download? re-download or re-save them)") from e
     return model.to(dev).eval()
 
 
@@ -71,8 +102,8 @@ def load_tokenizer(path: Path, role: str = "target"):
     path = check_model_dir(path, role)
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{role} at {path} has no loadable tokenizer: {str(e).splitlines()[0]}") from e
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions on a corrupt file
+        raise ModelLoadError(f"{role} at {path} has no loadable tokenizer: {_first_line(e)}") from e
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
@@ -81,7 +112,8 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def check_same_tokenizer(target_dir: Path, drafter_dir: Path) -> None:
-    """A drafter must share the target's tokenizer: same vocabulary (token -> id) and EOS."""
+    """A drafter must share the target's tokenizer: same vocabulary (token -> id) and EOS, and the same
+    vocab_size (output layer width) in its config.json."""
     t = tokenizer_fingerprint(load_tokenizer(target_dir, "target"))
     d = tokenizer_fingerprint(load_tokenizer(drafter_dir, "drafter"))
     if t["vocab"] != d["vocab"] or t["eos"] != d["eos"]:
@@ -91,6 +123,14 @@ def check_same_tokenizer(target_dir: Path, drafter_dir: Path) -> None:
             f"(vocab {t['size']} vs {d['size']}, {diff} tokens differ, eos {t['eos']} vs {d['eos']}); "
             f"a drafter must share the target's tokenizer"
         )
+    # Equal tokenizers can sit on different output layers (a padded vocabulary): the drafter's ids and
+    # distributions are used as the target's, so a mismatch is an index error deep in decoding.
+    tv = model_config(target_dir, "target").get("vocab_size")
+    dv = model_config(drafter_dir, "drafter").get("vocab_size")
+    if tv != dv and None not in (tv, dv):
+        raise ModelLoadError(f"drafter {drafter_dir}: vocab_size {dv} in its config.json, the target's is {tv}; "
+                             f"the drafter's tokens and distributions are read as the target's, so pass a drafter "
+                             f"with vocab_size {tv}")
 
 
 def model_summary(path: Path) -> dict:
