@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -20,6 +21,7 @@ TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "lean_forward": True, "c
 DTYPES = ("bfloat16", "float32", "float16")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
+MAX_NEW_TOKENS = 65536  # per request; a model's own position limit (max_position_embeddings) is usually lower
 
 
 def parse_tree_shape(shape: str) -> tuple[int, ...] | None:
@@ -150,6 +152,10 @@ class DecodeConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"decode config: {key} = {getattr(self, key)!r} is invalid: {why}")
 
+        for f in fields(self):  # nan passes every comparison below, inf every lower bound
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad(f.name, "use a finite number")
         if self.method not in METHODS:
             raise bad("method", f"choose one of {', '.join(METHODS)}")
         if self.drafter not in DRAFTERS:
@@ -162,8 +168,8 @@ class DecodeConfig:
             raise bad("temperature", "use 0 for greedy or a positive value for sampling")
         if self.top_p != 1.0:
             raise bad("top_p", "only 1.0 is supported")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "generate at least 1 token")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise bad("max_new_tokens", f"use 1 to {MAX_NEW_TOKENS} (and fewer than the target's positions)")
         if self.cuda_graphs and not self.lean_forward:
             raise bad("cuda_graphs", "the static step is built on the lean forward; set lean_forward = true")
         if self.weight_format not in ("bf16", "w12"):

@@ -55,21 +55,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: bad config {args.config}: {e}", file=sys.stderr)
         return 2
 
-    from decoder.generate import generate
-    from decoder.models import load_causal_lm
-
-    target = load_causal_lm(args.target, "target", cfg.dtype, cfg.device)
-    drafter = None
-    if args.drafter is not None:  # loaded even if unused now: a per-request config may switch it on
-        drafter = load_causal_lm(args.drafter, "drafter", cfg.dtype, cfg.device)
-    elif cfg.method == "sd" and cfg.drafter == "draft-model":
+    if args.drafter is None and cfg.method == "sd" and cfg.drafter == "draft-model":
         print("serve: config uses the draft-model drafter but no --drafter was given", file=sys.stderr)
+        return 2
+    from decoder.generate import generate
+    from decoder.models import ModelLoadError, load_causal_lm
+
+    try:
+        target = load_causal_lm(args.target, "target", cfg.dtype, cfg.device)
+        drafter = None
+        if args.drafter is not None:  # loaded even if unused now: a per-request config may switch it on
+            drafter = load_causal_lm(args.drafter, "drafter", cfg.dtype, cfg.device)
+    except ModelLoadError as e:
+        print(f"serve: {e}", file=sys.stderr)
         return 2
     from decoder.featdraft import FeatureHeads, drafters_dir
     from decoder.models import torch_dtype
 
     heads = FeatureHeads(args.drafters or drafters_dir(args.target), target.config, torch_dtype(cfg.dtype),
                          next(target.parameters()).device)
+    positions = getattr(target.config, "max_position_embeddings", None)
     _answer(proto, {"ready": True, "config": cfg.as_dict()})
 
     for line in sys.stdin:
@@ -87,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             for fixed in ("dtype", "device", "max_new_tokens"):  # as loaded / as requested
                 over.pop(fixed, None)
             rcfg = dataclasses.replace(cfg, **over, max_new_tokens=n)
+            if positions and len(prompt) + n > positions:
+                raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) exceed the target's "
+                                 f"{positions} positions (max_position_embeddings); ask for fewer tokens")
         except (ValueError, KeyError, TypeError) as e:
             _answer(proto, {"id": rid, "error": f"bad request: {e}".splitlines()[0][:300]})
             continue
