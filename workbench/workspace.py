@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,8 @@ import git
 import decoder
 import kernels
 from decoder.config import ConfigError, DecodeConfig, read_table
-from store import Branch, Memory, data_dir
+from store import Branch, Memory, StoreError, data_dir
+from workbench.harness import sandbox_status, unreadable_for_sandbox
 from workbench.progress import pid_alive
 from workbench.safegit import SafeGitError, worktree_admin_dir, worktree_git
 
@@ -256,12 +258,56 @@ class Workspace:
             raise WorkspaceError(f"branch {name!r} already exists; pick another name or remove it first")
         base_sha = self.rev(base)
         wt = self.worktree_path(name)
+        git_dir = Path(self.repo.git_dir)
+        self._check_writable(name, [git_dir, git_dir / "refs" / "heads", git_dir / "worktrees", wt.parent, self.state,
+                                    self.state / "memory.db"])
+        try:
+            rid = round_id if round_id is not None else self.manual_round_id()
+            if wt.exists():
+                shutil.rmtree(wt)  # a leftover of a crash: git no longer knows it (recover prunes)
+            self.repo.git.worktree("add", "-b", name, str(wt), base_sha)
+            self.repo.git.config(f"branch.{name}.specpilotbase", base_sha)
+            return self.memory.add_branch(rid, name, agent=agent, direction=direction, head_commit=base_sha,
+                                          worktree_path=wt)
+        except BaseException as e:
+            # Nothing half made survives (a git branch without its store row would block the name for good).
+            left = self._undo_branch(name, wt)
+            if not isinstance(e, (git.GitCommandError, OSError, sqlite3.Error, StoreError)):
+                raise
+            undo = (f"; could not remove {', '.join(left)}: run `specpilot branch recover`" if left
+                    else "; nothing was created")
+            raise WorkspaceError(f"cannot create branch {name!r} in {self.path}: {_why(e)}{undo}") from None
+
+    def _check_writable(self, name: str, paths: list[Path]) -> None:
+        for p in paths:
+            if p.exists() and not os.access(p, os.W_OK):
+                raise WorkspaceError(f"cannot create branch {name!r}: {p} is not writable; make the workspace "
+                                     f"writable (`chmod -R u+w {self.path}`) or work in a copy you own")
+
+    def _undo_branch(self, name: str, wt: Path) -> list[str]:
+        """Remove whatever a failed `create_branch` made (worktree, its registration, git branch, base
+        record); returns what could not be removed."""
+        left = []
+
+        def attempt(what: str, *argv: str, absent_status: int | None = None) -> None:
+            try:
+                self.repo.git.execute(["git", *argv])
+            except git.GitCommandError as e:
+                if e.status != absent_status:
+                    left.append(what)
+
         if wt.exists():
-            shutil.rmtree(wt)  # a leftover of a crash: git no longer knows it (recover prunes)
-        self.repo.git.worktree("add", "-b", name, str(wt), base_sha)
-        self.repo.git.config(f"branch.{name}.specpilotbase", base_sha)
-        return self.memory.add_branch(round_id if round_id is not None else self.manual_round_id(), name,
-                                      agent=agent, direction=direction, head_commit=base_sha, worktree_path=wt)
+            attempt(f"worktree {wt}", "worktree", "remove", "--force", str(wt))
+        attempt("stale worktree records", "worktree", "prune")
+        if name in self.repo.heads:
+            attempt(f"git branch {name}", "branch", "-D", name)
+        attempt(f"branch.{name}.specpilotbase", "config", "--unset", f"branch.{name}.specpilotbase",
+                absent_status=5)  # 5: the key was never set
+        if wt.exists():
+            shutil.rmtree(wt, ignore_errors=True)
+            if wt.exists():
+                left.append(f"folder {wt}")
+        return left
 
     def branch_base(self, name: str) -> str:
         """The commit a branch was created (or last started over) from; stock for branches older than
@@ -462,9 +508,23 @@ class Workspace:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _why(e: BaseException) -> str:
+    """One line on what a git, file system or database error says."""
+    if isinstance(e, git.GitCommandError):
+        lines = [ln.strip(" '") for ln in str(e.stderr).splitlines() if ln.strip(" '")]
+        return f"git: {lines[-1] if lines else e}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 DEMO_PROTECTED = ["specpilot.toml", "prompts/", "decoder/serve.py", ".gitignore"]
 BINARY_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib", ".o", ".a", ".exe")
 DEMO_HIDDEN = 6  # of the demo's 16 held-out code prompts, never shown to agents
+HIDDEN_FRACTION = DEMO_HIDDEN / 16  # a user deployment's prompts are split like the demo's
+MIN_PROMPTS = 2  # at least one visible and one hidden forcing prompt
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # any other prompts file is plain text, one prompt per line
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 GITIGNORE = ".specpilot/\n__pycache__/\n*.pyc\n"
 WORKSPACE_README = """# SpecPilot workspace: {name}
 
@@ -472,6 +532,23 @@ The first commit (tag `stock`) is the system as shipped. Candidates are branches
 worktree under `.specpilot/worktrees/`. `specpilot force --workspace . --branch NAME` checks a branch
 token by token against stock; `.specpilot/` (memory, hidden prompts, stock's cached outputs) is
 never committed and never visible to a candidate.
+"""
+TARGET_README = """
+## The deployment
+
+- target: `{target}`
+- drafter: {drafter}
+- prompts: {visible} visible (`prompts/visible.jsonl`) and {hidden} hidden (`.specpilot/hidden.jsonl`), from {source}
+- stock (`system.toml`): `drafter = "{stock_drafter}"`, every mechanism off; the limits a run gets
+  (start-up and request seconds, memory, threads) are `[limits]` in `specpilot.toml`
+
+Feature drafters (a block drafter, MTP heads, the domain router) read the target's hidden states, so
+they are trained for this target on demand, not shipped:
+
+    specpilot train drafter --kind mtp --target {target}      # or --kind block, then --kind router
+
+writes them under `{target}/drafters/`, where the system finds them (`drafter = "mtp"`, `"block"` or
+`"routed"` in `system.toml`). Until then, a candidate that sets one of them crashes when it runs.
 """
 
 
@@ -493,6 +570,44 @@ def _split_prompts(rows: list[dict], hidden: int) -> tuple[list[dict], list[dict
     return [r for r in rows if r["id"] not in hidden_ids], [r for r in rows if r["id"] in hidden_ids]
 
 
+def _check_new_folder(path: Path) -> None:
+    """`path` can become a workspace: not a file, not a non-empty folder, under a folder we may write to."""
+    if path.exists() and not path.is_dir():
+        raise WorkspaceError(f"{path} is a file; pick a new folder for the workspace")
+    if path.is_dir():
+        try:
+            used = any(path.iterdir())
+        except OSError as e:
+            raise WorkspaceError(f"{path}: cannot list it ({e.strerror}); pick a new folder for the "
+                                 f"workspace") from None
+        if used:
+            raise WorkspaceError(f"{path} exists and is not empty; pick a new folder, or open it with "
+                                 f"--workspace {path} if it is already a workspace")
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise WorkspaceError(f"{path}: {above} is a file, not a folder; pick a path under a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise WorkspaceError(f"{path}: cannot create it, {above} is not writable; pick a folder you can write to "
+                             f"(or `chmod u+w {above}`)")
+
+
+def _check_name(name: str, flag: str = "--name") -> str:
+    if not name or set(name) - NAME_OK or name.startswith((".", "-")):
+        raise WorkspaceError(f"{flag} {name!r}: use letters, digits, '-', '_' and '.'")
+    return name
+
+
+def _default_limits(*model_dirs: Path | None) -> dict:
+    """The demo's limits, with memory and start-up time grown with the weights' size on disk."""
+    size = sum(f.stat().st_size for d in model_dirs if d is not None for g in WEIGHT_GLOBS for f in d.glob(g))
+    gib = size / 2**30
+    # one thread: on a shared 2-core machine OpenMP spin-waits make two threads up to 10x slower
+    return {"start_s": 120 + int(30 * gib), "request_s": 120 + int(60 * gib),
+            "memory_mb": max(4096, 2048 + int(2 * size / 2**20)), "threads": 1}
+
+
 def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
               hidden: int = DEMO_HIDDEN, limits: dict | None = None, prompts: str = "code",
               name: str | None = None, bench: dict | None = None) -> Workspace:
@@ -503,74 +618,212 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     from decoder.models import DEMO_DIR
 
     path = Path(path).absolute() if path is not None else default_demo_path()
-    if path.exists() and not path.is_dir():
-        raise WorkspaceError(f"{path} is a file; pick a new folder for the workspace")
-    if path.exists() and any(path.iterdir()):
-        raise WorkspaceError(f"{path} exists and is not empty; pick a new folder, or open it with "
-                             f"--workspace {path} if it is already a workspace")
+    _check_new_folder(path)
     if prompts not in ("code", "prose"):
         raise WorkspaceError(f"--prompts {prompts}: the demo has code and prose prompt sets")
-    name = name or ("demo" if prompts == "code" else f"demo-{prompts}")
-    if not name or set(name) - NAME_OK:
-        raise WorkspaceError(f"--name {name!r}: use letters, digits, '-', '_' and '.'")
+    name = _check_name(name or ("demo" if prompts == "code" else f"demo-{prompts}"))
     for sub in ("target", "drafter", "tokenizer", f"prompts/{prompts}.jsonl"):
         if not (DEMO_DIR / sub).exists():
             raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
                                  f"or reinstall specpilot")
-    # Built in a sibling folder and renamed into place: a crash or a full disk leaves no half workspace.
-    final, path = path, path.parent / f".{path.name}.partial-{os.getpid()}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir()
-    try:
-        _build_demo(path, name=name, forcing_max_new_tokens=forcing_max_new_tokens, limits=limits, prompts=prompts,
-                    prompt_limit=prompt_limit, hidden=hidden, bench=bench)
-        if final.exists():
-            final.rmdir()  # an empty folder was allowed above; a non-empty one was refused
-        os.replace(path, final)
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    ws = Workspace(final)
-    ws.deployment_id()
-    rows = [json.loads(ln) for ln in ws.hidden_prompts_path().read_text().splitlines() if ln.strip()]
-    ws.memory.record_event("workspace.init", f"demo workspace ({prompts} prompts) created at {final}",
-                           {"visible": len((final / "prompts" / "visible.jsonl").read_text().splitlines()),
-                            "hidden": len(rows), "stock": ws.stock_commit})
-    return ws
-
-
-def _build_demo(path: Path, *, name: str, forcing_max_new_tokens: int, limits: dict | None, prompts: str,
-                prompt_limit: int | None, hidden: int, bench: dict | None = None) -> None:
-    from decoder.models import DEMO_DIR
-
-    _copy_package(Path(decoder.__file__).parent, path / "decoder")
-    _copy_package(Path(kernels.__file__).parent, path / "kernels")
-    rows = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / f"{prompts}.jsonl").read_text().splitlines()
-            if ln.strip()]
-    visible, hidden_rows = _split_prompts(rows[:prompt_limit], hidden)
-    (path / "prompts").mkdir()
-    (path / "prompts" / "visible.jsonl").write_text("".join(json.dumps(r) + "\n" for r in visible))
+    rows = _read_jsonl(DEMO_DIR / "prompts" / f"{prompts}.jsonl")[:prompt_limit]
     cfg = WorkspaceConfig(
         name=name, target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
         tokenizer=(DEMO_DIR / "target").resolve(),  # the target directory carries its tokenizer
-        entry=["{python}", "-m", "decoder.serve", "--target", "{target}", "--drafter", "{drafter}",
-               "--config", "{config}"],
-        protected=list(DEMO_PROTECTED),
-        forcing_max_new_tokens=forcing_max_new_tokens,
+        entry=_entry(drafter=True), protected=list(DEMO_PROTECTED), forcing_max_new_tokens=forcing_max_new_tokens,
         # one thread: on a shared 2-core machine OpenMP spin-waits make two threads up to 10x slower
         limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 1, **(limits or {})},
         bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})})
+    return _create(path, cfg, rows, hidden=hidden, stock=DecodeConfig(), readme=WORKSPACE_README.format(name=name),
+                   label="the demo system", what=f"demo workspace ({prompts} prompts)")
+
+
+def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | None = None,
+                prompts: str | Path | None = None, name: str | None = None, forcing_max_new_tokens: int = 64,
+                limits: dict | None = None, bench: dict | None = None) -> Workspace:
+    """Create a workspace for the user's own deployment: a local Hugging Face target directory, an optional
+    draft model sharing its tokenizer, and a prompts file (JSONL with a "text" per line, or plain text with
+    one prompt per line; without one, the demo's code prompts if the target uses the demo's tokenizer).
+
+    Everything is validated before anything is created; a failure raises WorkspaceError naming the value
+    and the fix. Stock drafts with the draft model when there is one, else with n-grams (prompt lookup).
+    """
+    from decoder.models import DEMO_DIR, ModelLoadError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+
+    path = Path(path).absolute()
+    _check_new_folder(path)
+    target = Path(target).absolute()
+    name = _check_name(name or "".join(c if c in NAME_OK else "-" for c in target.name).strip(".-") or "target")
+    try:
+        _check_weights(target, "--target")
+        tok = load_tokenizer(target, "target")
+        if drafter is not None:
+            drafter = Path(drafter).absolute()
+            _check_weights(drafter, "--drafter")
+            check_same_tokenizer(target, drafter)  # vocabulary, EOS and vocab_size
+        _check_sandbox_can_read(target, "--target")
+        if drafter is not None:
+            _check_sandbox_can_read(drafter, "--drafter")
+        if prompts is not None:
+            source = Path(prompts).absolute()
+            rows = read_prompts(source)
+        else:
+            demo = DEMO_DIR / "prompts" / "code.jsonl"
+            same = demo.exists() and _same_vocab(tokenizer_fingerprint(tok),
+                                                 tokenizer_fingerprint(load_tokenizer(DEMO_DIR / "target")))
+            if not same:
+                raise WorkspaceError(f"--target {target}: no --prompts given, and the demo's prompts are for the "
+                                     f"demo's tokenizer only; pass --prompts FILE (JSONL with a \"text\" per line, "
+                                     f"or one prompt per line)")
+            source, rows = demo, _read_jsonl(demo)
+    except ModelLoadError as e:
+        raise WorkspaceError(str(e)) from None
+    for r in rows:
+        if not tok(r["text"], add_special_tokens=False)["input_ids"]:
+            raise WorkspaceError(f"--prompts {source}: prompt {r['id']!r} has no tokens under the target's "
+                                 f"tokenizer; remove it")
+    cfg = WorkspaceConfig(
+        name=name, target=target, drafter=drafter, tokenizer=target, entry=_entry(drafter=drafter is not None),
+        protected=list(DEMO_PROTECTED), forcing_max_new_tokens=forcing_max_new_tokens,
+        limits={**_default_limits(target, drafter), **(limits or {})},
+        bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})})
+    stock = DecodeConfig(drafter="draft-model" if drafter is not None else "ngram", lean_forward=False)
+    hidden = max(1, min(len(rows) - 1, round(len(rows) * HIDDEN_FRACTION)))
+    readme = WORKSPACE_README.format(name=name) + TARGET_README.format(
+        target=target, drafter=f"`{drafter}`" if drafter else "none (stock drafts with n-grams: prompt lookup)",
+        visible=len(rows) - hidden, hidden=hidden, source=f"`{source}`", stock_drafter=stock.drafter)
+    return _create(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=f"the {name} system",
+                   what=f"workspace for target {target} ({len(rows)} prompts from {source})")
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """Prompt rows {"id", "text"[, "domain"]} from a JSONL file (.jsonl, .json, .ndjson: a "text" per line,
+    optional "id" and "domain") or a plain text file (one prompt per line); at least MIN_PROMPTS."""
+    flag = f"--prompts {path}"
+    if not path.is_file():
+        raise WorkspaceError(f"{flag}: no such file; pass a JSONL file ({{\"text\": ...}} per line) or a text file "
+                             f"with one prompt per line")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkspaceError(f"{flag}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it "
+                             f"as UTF-8") from None
+    except OSError as e:
+        raise WorkspaceError(f"{flag}: cannot read it ({e.strerror})") from None
+    jsonl = path.suffix.lower() in JSONL_SUFFIXES
+    rows, seen = [], {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{flag}:{lineno}"
+        if not jsonl:
+            row = {"id": f"{path.stem}-{lineno}", "text": line}
+        else:
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise WorkspaceError(f"{where}: not valid JSON ({e.msg}); each line must be {{\"text\": ...}} "
+                                     f"(optional \"id\", \"domain\"), or name the file .txt for one prompt per "
+                                     f"line") from None
+            if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) or not raw["text"].strip():
+                raise WorkspaceError(f"{where}: each line must be an object with a non-empty string \"text\" "
+                                     f"(optional \"id\", \"domain\")")
+            row = {"id": str(raw.get("id", f"{path.stem}-{lineno}")), "text": raw["text"]}
+            if "domain" in raw:
+                if not isinstance(raw["domain"], str):
+                    raise WorkspaceError(f"{where}: \"domain\" must be a string, e.g. \"code\" or \"prose\"")
+                row["domain"] = raw["domain"]
+        if row["id"] in seen:
+            raise WorkspaceError(f"{where}: id {row['id']!r} repeats line {seen[row['id']]}; ids must be unique")
+        seen[row["id"]] = lineno
+        rows.append(row)
+    if len(rows) < MIN_PROMPTS:
+        raise WorkspaceError(f"{flag}: {len(rows)} prompt(s); a workspace needs at least {MIN_PROMPTS} (they are "
+                             f"split into visible and hidden forcing prompts)")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def _check_weights(model_dir: Path, flag: str) -> None:
+    from decoder.models import check_model_dir
+
+    check_model_dir(model_dir, flag.lstrip("-"))  # a ModelLoadError names the directory and the fix
+    if not any(any(model_dir.glob(g)) for g in WEIGHT_GLOBS):
+        raise WorkspaceError(f"{flag} {model_dir}: no weights (*.safetensors or *.bin); pass a model directory "
+                             f"saved with save_pretrained")
+
+
+def _check_sandbox_can_read(model_dir: Path, flag: str) -> None:
+    """Run as root, the sandbox starts candidates as an unrelated uid: the model files must be world-readable
+    (`save_pretrained` writes its weights with mode 600)."""
+    closed = unreadable_for_sandbox([model_dir])
+    if closed is not None and sandbox_status()[0]:
+        raise WorkspaceError(f"{flag} {model_dir}: {closed} is not readable by the sandbox's unprivileged uid (mode "
+                             f"{closed.stat().st_mode & 0o777:o}); run `chmod -R o+rX {model_dir}`, or SpecPilot as "
+                             f"an unprivileged user")
+
+
+def _same_vocab(a: dict, b: dict) -> bool:
+    return a["vocab"] == b["vocab"] and a["eos"] == b["eos"]
+
+
+def _entry(*, drafter: bool) -> list[str]:
+    """The system's command line: `decoder.serve` on the target (and the draft model when there is one)."""
+    return ["{python}", "-m", "decoder.serve", "--target", "{target}",
+            *(["--drafter", "{drafter}"] if drafter else []), "--config", "{config}"]
+
+
+def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig, readme: str,
+            label: str, what: str) -> Workspace:
+    """Build a workspace in a sibling folder and rename it into place: a failure (a crash, a full disk, a
+    read-only folder) leaves nothing behind, not even the parent folders it made."""
+    made = None  # the outermost folder this call creates above the workspace
+    above = final.parent
+    while not above.exists() and above != above.parent:
+        made, above = above, above.parent
+    path = final.parent / f".{final.name}.partial-{os.getpid()}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir()
+        _build(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=label)
+        os.replace(path, final)  # onto an empty folder too: allowed above, and rename(2) replaces it
+    except BaseException as e:
+        shutil.rmtree(path, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        if isinstance(e, (OSError, git.GitCommandError)):
+            raise WorkspaceError(f"cannot create the workspace at {final}: {_why(e)}; nothing was created") from None
+        raise
+    ws = Workspace(final)
+    ws.deployment_id()
+    visible = len((final / "prompts" / "visible.jsonl").read_text().splitlines())
+    ws.memory.record_event("workspace.init", f"{what} created at {final}",
+                           {"visible": visible, "hidden": len(rows) - visible, "stock": ws.stock_commit})
+    return ws
+
+
+def _build(path: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig, readme: str,
+           label: str) -> None:
+    """The workspace's files and its first commit (tag `stock`) in `path`, an empty folder."""
+    _copy_package(Path(decoder.__file__).parent, path / "decoder")
+    _copy_package(Path(kernels.__file__).parent, path / "kernels")
+    visible, hidden_rows = _split_prompts(rows, hidden)
+    (path / "prompts").mkdir()
+    (path / "prompts" / "visible.jsonl").write_text("".join(json.dumps(r) + "\n" for r in visible))
     (path / "specpilot.toml").write_text(cfg.to_toml())
-    DecodeConfig().save(path / cfg.config_file)
+    stock.save(path / cfg.config_file)
     (path / ".gitignore").write_text(GITIGNORE)
-    (path / "README.md").write_text(WORKSPACE_README.format(name=cfg.name))
+    (path / "README.md").write_text(readme)
     repo = git.Repo.init(path, initial_branch="main")
     with repo.config_writer() as w:  # commits must work on a machine with no git identity
         if not repo.config_reader().has_option("user", "email"):
             w.set_value("user", "name", "SpecPilot").set_value("user", "email", "specpilot@localhost")
     repo.git.add("-A")
-    repo.index.commit("stock: the demo system as shipped (decoder, kernels, config, visible prompts)")
+    repo.index.commit(f"stock: {label} as shipped (decoder, kernels, config, visible prompts)")
     repo.create_tag(STOCK_TAG)
     repo.close()
     (path / ".specpilot").mkdir()

@@ -16,7 +16,7 @@ from workbench.cli_util import fail, quiet_transformers, run_group
 from workbench.export import export, record_mechanism
 from workbench.forcing import force, format_report
 from workbench.harness import SystemCrash
-from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
+from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo, init_target
 
 EXIT_MISMATCH, EXIT_CRASH = 1, 3
 
@@ -32,12 +32,35 @@ def _errors():
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
+    if args.target is None and args.drafter is not None:
+        return fail("init: --drafter goes with --target: `specpilot init --target DIR --drafter DIR PATH`")
+    if args.target is not None:
+        # `init --target DIR PATH`: the one positional is the folder to create
+        if args.what is None or args.path is not None:
+            return fail("init --target needs exactly one PATH, the folder to create: "
+                        "`specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
+        quiet_transformers()
+        try:
+            ws = init_target(args.what, args.target, drafter=args.drafter, prompts=args.prompts, name=args.name)
+        except _errors() as e:
+            return fail(str(e))
+        c = ws.config
+        visible = len((ws.path / "prompts" / "visible.jsonl").read_text().splitlines())
+        hidden = len(ws.hidden_prompts_path().read_text().splitlines())
+        print(f"created workspace {c.name} at {ws.path} (stock {ws.stock_commit[:10]}): target {c.target}, "
+              f"{f'drafter {c.drafter}' if c.drafter else 'n-gram drafting (no --drafter)'}, "
+              f"{visible} visible + {hidden} hidden prompts", file=sys.stderr)
+        print(json.dumps({"workspace": str(ws.path), "stock_commit": ws.stock_commit, "name": c.name,
+                          "target": str(c.target), "drafter": str(c.drafter) if c.drafter else None,
+                          "visible": visible, "hidden": hidden}) if args.json else ws.path)
+        return 0
     if args.what != "demo":
-        return fail(f"init {args.what}: unknown; available: demo (a workspace for your own system: copy the "
-                    f"demo's specpilot.toml and point it at your models and entry point)")
+        what = f"init {args.what}: unknown" if args.what else "init needs what to create"
+        return fail(f"{what}; use `specpilot init demo [PATH]` or, for your own model, "
+                    f"`specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
 
     try:
-        ws = init_demo(args.path, prompts=args.prompts, name=args.name)
+        ws = init_demo(args.path, prompts=args.prompts or "code", name=args.name)
     except _errors() as e:
         return fail(str(e))
     print(f"created demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
@@ -85,6 +108,11 @@ def _cmd_force(args: argparse.Namespace) -> int:
     try:
         ws = _workspace(args)
         report = force(ws, args.branch, progress=not args.quiet)
+    except SystemCrash as e:  # the candidate's crash is a report; this is stock's, while computing the reference
+        print(f"error: force {args.branch}: stock crashed computing the reference ({e.kind}: {e.reason}); "
+              f"fix the entry point or models in {ws.path / 'specpilot.toml'} (logs in {ws.state / 'logs'})",
+              file=sys.stderr)
+        return EXIT_CRASH
     except _errors() as e:
         return fail(str(e))
     print(json.dumps(report) if args.json else format_report(report))
@@ -114,11 +142,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    i = sub.add_parser("init", help="create a workspace (git repository whose first commit is stock)")
-    i.add_argument("what", help="demo: the embedded demo deployment")
-    i.add_argument("path", nargs="?", help="folder to create (default: $SPECPILOT_DATA_DIR/workspaces/demo)")
-    i.add_argument("--prompts", choices=("code", "prose"), default="code", help="the demo's workload (default: code)")
-    i.add_argument("--name", help="deployment name (default: demo, or demo-prose)")
+    i = sub.add_parser("init", help="create a workspace (git repository whose first commit is stock)",
+                       usage="specpilot init demo [PATH] [--prompts code|prose] [--name NAME] [--json]\n"
+                             "       specpilot init --target DIR [--drafter DIR] [--prompts FILE] [--name NAME] "
+                             "[--json] PATH")
+    i.add_argument("what", nargs="?", metavar="demo | PATH",
+                   help="demo: the embedded demo deployment; with --target: the folder to create")
+    i.add_argument("path", nargs="?", help="demo: folder to create (default: $SPECPILOT_DATA_DIR/workspaces/demo)")
+    i.add_argument("--target", metavar="DIR", help="your deployment: the target's local Hugging Face model directory")
+    i.add_argument("--drafter", metavar="DIR",
+                   help="with --target: a draft model directory sharing the target's tokenizer (stock drafts with "
+                        "it; without one, with n-grams)")
+    i.add_argument("--prompts", metavar="FILE",
+                   help="demo: code or prose (default: code); with --target: a JSONL file (a \"text\" per line, "
+                        "optional \"id\", \"domain\") or a text file, one prompt per line (default: the demo's code "
+                        "prompts, if the target uses the demo's tokenizer)")
+    i.add_argument("--name", help="deployment name (default: demo, demo-prose, or the target folder's name)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_init)
 
