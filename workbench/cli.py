@@ -13,7 +13,7 @@ from pathlib import Path
 
 from costmodel.cli import add_parser as add_costmodel_parsers
 from decoder.config import ConfigError, DecodeConfig
-from workbench.cli_util import OneLineParser, fail, positive_int, quiet_transformers
+from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int, quiet_transformers, write_atomic
 from workbench.demo_cli import add_parser as add_demo_parser
 from workbench.memory_cli import add_parser as add_memory_parser
 from workbench.w12_cli import add_parser as add_w12_parser
@@ -34,9 +34,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     from decoder.models import ModelLoadError, demo_deployment
 
-    if args.out and not Path(args.out).absolute().parent.is_dir():  # before minutes of measurement, not after
-        return fail(f"--out {args.out}: folder {Path(args.out).absolute().parent} does not exist; create it or "
-                    f"pick another path")
+    if args.drafter and not args.target:  # --deployment brings its own drafter; this one would be ignored
+        return fail(f"--drafter {args.drafter} needs --target DIR (the target it drafts for); add --target, or "
+                    f"drop --drafter to bench the {args.deployment} deployment")
+    why = check_out_file("--out", args.out) if args.out else None  # before minutes of measurement, not after
+    if why:
+        return fail(why)
     quiet_transformers()
 
     try:
@@ -47,6 +50,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         else:
             target, drafter, prompt_dir = bench_deployment(args.deployment)
             deployment = args.deployment
+        _check_max_new_tokens(args, target, prompt_dir)
         if args.batch_sizes:
             return _batch_bench(args, target, drafter, prompt_dir, deployment)
         methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ALL_METHODS
@@ -68,12 +72,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (BenchError, ModelLoadError, ConfigError) as e:
         return fail(str(e))
     if args.out:  # first: minutes of measurement are never lost to a display problem
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_atomic(args.out, json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))
     else:
         print(format_table(report))
     return 0
+
+
+def _check_max_new_tokens(args: argparse.Namespace, target: Path, prompt_dir: Path | None) -> None:
+    """Refuse a --max-new-tokens the target cannot hold before any model loads (a BenchError naming the most it
+    can): the longest prompt plus the new tokens must fit in its max_position_embeddings."""
+    from decoder.config import MAX_NEW_TOKENS
+    from decoder.lab.bench import BenchError, load_prompts
+    from decoder.models import load_tokenizer, max_positions
+
+    n = args.max_new_tokens
+    if n > MAX_NEW_TOKENS:
+        raise BenchError(f"--max-new-tokens {n}: use at most {MAX_NEW_TOKENS} (and fewer than the target's "
+                         f"positions)")
+    limit = max_positions(target)
+    if limit is None:  # the config does not say; MAX_NEW_TOKENS still bounds the run
+        return
+    prompts = load_prompts(args.prompts, prompt_dir)[1][: args.limit]
+    tok = load_tokenizer(target, "target")
+    longest = max(len(tok(p.text, add_special_tokens=False)["input_ids"]) for p in prompts)
+    if longest + n > limit:
+        fix = f"use at most {limit - longest}" if limit > longest else "use shorter prompts"
+        raise BenchError(f"--max-new-tokens {n}: the longest prompt has {longest} tokens and target {target} "
+                         f"holds {limit} positions (max_position_embeddings); {fix}")
 
 
 def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, prompt_dir: Path | None,
@@ -95,7 +122,7 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
         methods=methods, drafters_root=Path(args.drafters) if args.drafters else None,
     )
     if args.out:  # first: minutes of measurement are never lost to a display problem
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_atomic(args.out, json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else format_batch_table(report))
     return 0
 
@@ -197,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--target", help="a local Hugging Face model directory to use as target")
     b.add_argument("--drafter", help="draft model directory (with --target)")
     b.add_argument("--prompts", default="code", help="code, prose, or a .jsonl file of {id, text} rows")
-    b.add_argument("--max-new-tokens", type=positive_int, default=128)
+    b.add_argument("--max-new-tokens", type=positive_int, default=128,
+                   help="tokens generated per prompt (default 128); the longest prompt plus these must fit the "
+                        "target's max_position_embeddings, and at most 65536")
     b.add_argument("--draft-len", type=positive_int, default=3, help="draft model tokens per step (k)")
     b.add_argument("--ngram-draft-len", type=positive_int, default=8, help="n-gram drafter tokens per step")
     b.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix the n-gram drafter matches")

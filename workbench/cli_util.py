@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_USAGE = 2
 
@@ -33,6 +36,40 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be at least 1")
     return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (`nan` and `inf` parse as floats; neither bounds anything)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return v
+
+
+def check_out_file(flag: str, out: str) -> str | None:
+    """Why `out` cannot take an output file (checked before the work that fills it), or None."""
+    path = Path(out).absolute()
+    if path.is_dir():
+        return f"{flag} {out}: is a folder; pass a file path inside it"
+    if not path.parent.is_dir():
+        return f"{flag} {out}: folder {path.parent} does not exist; create it or pick another path"
+    if not os.access(path.parent, os.W_OK):
+        return f"{flag} {out}: folder {path.parent} is not writable; pick another path"
+    return None
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it: a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class OneLineParser(argparse.ArgumentParser):

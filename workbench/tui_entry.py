@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from workbench.agents.llm import LLMConfigError
-from workbench.cli_util import OneLineParser, fail, positive_int, quiet_transformers
+from workbench.cli_util import OneLineParser, fail, positive_float, positive_int, quiet_transformers
 from workbench.loop import Loop, LoopOptions, llm_config
 from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
 
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--agents", type=positive_int, default=2, help="agents per round (in parallel)")
     p.add_argument("--agent", choices=("tuner", "llm"), default="tuner")
-    p.add_argument("--budget-minutes", type=float, default=30.0)
+    p.add_argument("--budget-minutes", type=positive_float, default=30.0,
+                   help="wall-clock budget of the whole run, in minutes (a finite number above 0; default 30)")
     p.add_argument("--no-global-memory", action="store_true",
                    help="neither read nor write the global memory (a cold start)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -71,8 +73,8 @@ def _table(s: dict) -> str:
 
 def run_auto(args: argparse.Namespace) -> int:
 
-    if args.budget_minutes <= 0:
-        return fail(f"--budget-minutes {args.budget_minutes:g}: must be positive")
+    if not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):  # run_auto is also called directly
+        return fail(f"--budget-minutes {args.budget_minutes:g}: use a finite number of minutes above 0")
     try:
         path = Path(args.workspace) if args.workspace else default_demo_path()
         if not args.workspace and not (path / "specpilot.toml").exists():
