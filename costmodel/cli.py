@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from costmodel.deployment import CostDeployment
 
 EXIT_USAGE = 2
+PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a plain file stem: no '/', no leading '.'
 
 
 def _positive_int(text: str) -> int:
@@ -197,10 +199,15 @@ def _demo_target() -> str | None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of `specpilot profile hardware`: measures, stores, prints a summary; 2 on a user error."""
-    from decoder.lab.hardware import measure_cpu_local_repeated
-
     if args.what != "hardware":
         return _fail(f"profile {args.what}: unknown; available: hardware")
+    if not PROFILE_NAME.fullmatch(args.name):  # the name is a file stem in the data dir: no path may escape it
+        return _fail(f"--name {args.name!r}: use letters, digits, '.', '_' and '-' only (a file name, no folders), "
+                     f"e.g. cpu-local; to write elsewhere pass --out FILE")
+    if args.out and Path(args.out).is_dir():
+        return _fail(f"--out {args.out}: is a folder; pass a file path, e.g. {Path(args.out) / (args.name + '.json')}")
+    from decoder.lab.hardware import measure_cpu_local_repeated  # torch: after the checks that need none
+
     try:
         model = None if args.no_model else args.model or _demo_target()
         if model and not (Path(model) / "config.json").is_file():
