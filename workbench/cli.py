@@ -23,8 +23,6 @@ from workbench.workspace_cli import add_parser as add_workspace_parsers
 def _cmd_bench(args: argparse.Namespace) -> int:
     from decoder.lab.bench import (
         ALL_METHODS,
-        DRAFT_MODEL_METHODS,
-        FEATURE_METHODS,
         BenchError,
         FeatureSettings,
         TreeSettings,
@@ -54,20 +52,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.batch_sizes:
             return _batch_bench(args, target, drafter, prompt_dir, deployment)
         methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ALL_METHODS
-        if drafter is None and not args.methods:
-            methods = tuple(m for m in methods if m not in DRAFT_MODEL_METHODS)
         feature = FeatureSettings(**{f: getattr(args, f) for f in FeatureSettings.__dataclass_fields__
                                      if getattr(args, f, None) is not None})
         DecodeConfig(lean_forward=True, drafter="routed", route_code=feature.route_code,
                      route_prose=feature.route_prose)  # names a bad route the way a config file would
-        if not args.methods and not (Path(feature.drafters) if feature.drafters else target / "drafters").is_dir():
-            methods = tuple(m for m in methods if m not in FEATURE_METHODS)
         report = run_bench(
             target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
             methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max,
             ngram_min=args.ngram_min, dtype=args.dtype,
             device=args.device, limit=args.limit, progress=not args.quiet,
             tree=_tree_settings(args, TreeSettings), feature=feature,
+            skip_unsupported=not args.methods,  # the default set runs what this model can; named methods must run
         )
     except (BenchError, ModelLoadError, ConfigError) as e:
         return fail(str(e))
