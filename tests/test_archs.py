@@ -181,3 +181,34 @@ if __name__ == "__main__":  # the README's matrix
         sys.stdout.flush()
     for how, i in notes.items():
         print(f"[{i}] {how}")
+
+
+def test_the_tuner_proposes_only_what_a_hybrid_target_can_run(tmp_path):
+    """A workspace on a hybrid target: the lean forward (and everything on it) is never proposed, and a
+    draft-model config is refused when the deployment has no draft model."""
+    import shutil
+
+    from decoder.models import DEMO_DIR
+    from workbench.agents.tuner import candidates
+    from workbench.workspace import init_target
+
+    torch.manual_seed(0)
+    cfg = ARCHS["qwen3_next"]()
+    cfg.vocab_size = 6144  # the demo tokenizer's
+    model_dir = tmp_path / "hybrid"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / "target" / f, model_dir / f)
+    for p in (model_dir, *model_dir.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    ws = init_target(tmp_path / "ws", model_dir)
+    assert "lean forward" in ws.refusal(DecodeConfig(drafter="ngram", lean_forward=True))
+    assert "no draft model" in ws.refusal(DecodeConfig(drafter="draft-model"))
+    assert ws.refusal(DecodeConfig(drafter="ngram")) is None
+    base = DecodeConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
+    unfiltered = [c for fam in ("host-overhead", "drafting", "verification") for c in candidates(base, fam, [])]
+    kept = [c for fam in ("host-overhead", "drafting", "verification")
+            for c in candidates(base, fam, [], refuse=ws.refusal)]
+    assert any(c.cfg.lean_forward for c in unfiltered)  # the filter has something to remove
+    assert kept and not any(c.cfg.lean_forward or (c.cfg.method, c.cfg.drafter) == ("sd", "draft-model")
+                            for c in kept)

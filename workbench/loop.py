@@ -207,7 +207,7 @@ class Loop:
                 return []
         out, tried = plan_directions(breakdown, exhausted, agents=self.opts.agents, agent=self.opts.agent,
                                      device=device, base_cfg=base_cfg, memory_for=self._memory_for,
-                                     transfer_tried=self.transfer_tried())
+                                     transfer_tried=self.transfer_tried(), refuse=self.ws.refusal)
         self._transfer_tried = self._transfer_tried or tried
         return out
 

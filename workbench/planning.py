@@ -22,7 +22,8 @@ def registry_mechanisms(family: str, device: str) -> list[dict]:
 
 def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent: str, device: str,
                     base_cfg: DecodeConfig | None, memory_for: Callable[[str], list[dict]],
-                    transfer_tried: bool) -> tuple[list[Direction], bool]:
+                    transfer_tried: bool, refuse: Callable[[DecodeConfig], str | None] | None = None,
+                    ) -> tuple[list[Direction], bool]:
     """Up to `agents` directions from the gap breakdown, largest gap first (families where other deployments
     accepted mechanisms first among equals), skipping families explored without a gain (`exhausted`), with
     nothing to gain, or, for the tuner, with nothing left to turn on `base_cfg`. The first time memory has
@@ -37,7 +38,7 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
         memory = memory_for(fam)
         if agent == "tuner" and not mechs and not memory:
             continue  # the tuner has nothing to turn for this family
-        if base_cfg is not None and not candidates(base_cfg, fam, memory):
+        if base_cfg is not None and not candidates(base_cfg, fam, memory, refuse=refuse):
             continue  # every mechanism of the family is already on in the base: no agent slot for it
         gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
         out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))

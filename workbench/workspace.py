@@ -35,6 +35,7 @@ import git
 
 import decoder
 import kernels
+from decoder.capabilities import refusal
 from decoder.config import ConfigError, DecodeConfig, read_table
 from store import Branch, Memory, StoreError, data_dir
 from workbench.harness import sandbox_status, unreadable_for_sandbox
@@ -142,6 +143,7 @@ class Workspace:
             (self.state / sub).mkdir(parents=True, exist_ok=True)
         self._memory: Memory | None = None
         self._configs: dict[str, dict] = {}  # commit -> its [decode] table (commits never change)
+        self._model_configs: tuple | None = None  # (target, drafter) transformers configs, read on first use
 
     # -- basics ----------------------------------------------------------------------------------------
 
@@ -186,6 +188,17 @@ class Workspace:
                 raise WorkspaceError(f"{name} at {sha[:10]}: {e}") from None
             self._configs[sha] = hit
         return dict(hit)
+
+    def refusal(self, cfg: DecodeConfig) -> str | None:
+        """Why this deployment's models cannot run `cfg` (decoder/capabilities.py: architecture, a missing
+        draft model), in one line; None when they can. The tuner and planning propose only what can run."""
+        if cfg.method == "sd" and cfg.drafter == "draft-model" and self.config.drafter is None:
+            return "this deployment has no draft model (specpilot.toml: drafter)"
+        if self._model_configs is None:
+            self._model_configs = (_read_model_config(self.config.target),
+                                   _read_model_config(self.config.drafter) if self.config.drafter else None)
+        target, drafter = self._model_configs
+        return refusal(cfg, target, drafter, cfg.dtype) if target is not None else None
 
     @property
     def stock_commit(self) -> str:
@@ -506,6 +519,17 @@ class Workspace:
             return [ln for ln in r.stdout.splitlines() if ln]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _read_model_config(path: Path):
+    """A model directory's transformers config (config.json only, no weights); None when it cannot be read
+    (the system's start-up reports that in its own words)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError):
+        return None
 
 
 def _why(e: BaseException) -> str:

@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from decoder.config import ConfigError, DecodeConfig, dump_table
@@ -72,8 +73,10 @@ def with_requirements(changes: dict) -> dict:
     return {**req, **changes} if changes else {}
 
 
-def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 0) -> list[Candidate]:
-    """Memory's configs for the family first, then the registry's mechanisms of the family, on `base`."""
+def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 0,
+               refuse: Callable[[DecodeConfig], str | None] | None = None) -> list[Candidate]:
+    """Memory's configs for the family first, then the registry's mechanisms of the family, on `base`;
+    `refuse` (Workspace.refusal) drops what the deployment's models cannot run."""
     rng = random.Random(seed)
     out: list[Candidate] = []
     seen = {json.dumps(base.as_dict(), sort_keys=True)}
@@ -96,6 +99,8 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
             cfg = DecodeConfig(**{**base.as_dict(), **changes})
         except (ConfigError, TypeError):
             continue  # an incompatible combination (e.g. w12 with the lean forward)
+        if refuse is not None and refuse(cfg):
+            continue  # e.g. the lean forward on a hybrid recurrent target
         c = Candidate({k: v for k, v in changes.items() if base.as_dict().get(k) != v}, source, cfg)
         if c.key not in seen and c.changes:
             seen.add(c.key)
@@ -133,7 +138,7 @@ class TunerAgent:
             base = DecodeConfig.from_table(table, known_only=True)
         except (WorkspaceError, ConfigError) as e:
             return AgentResult(False, f"the tuner cannot read the branch's config: {e}")
-        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed)
+        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, self.ws.refusal)
         if not cands:
             return AgentResult(False, f"no registered mechanism for {ctx.direction.family} applies on "
                                       f"{base.device} beyond the current config")

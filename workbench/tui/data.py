@@ -343,7 +343,8 @@ def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None
         cfg = DecodeConfig.from_table(ws.config_at(base), known_only=True)
     except (WorkspaceError, ValueError):
         cfg = None
-    out = [LaunchChoice(fam, ms, len(candidates(cfg, fam, [])) if cfg is not None else 0) for fam, ms in order]
+    out = [LaunchChoice(fam, ms, len(candidates(cfg, fam, [], refuse=ws.refusal)) if cfg is not None else 0)
+           for fam, ms in order]
     try:
         llm_config(ws)
         why_not = None
