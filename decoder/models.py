@@ -10,6 +10,7 @@ import torch
 
 ASSETS = Path(__file__).parent / "assets"
 DEMO_DIR = ASSETS / "demo"
+HYBRID_DEMO_DIR = ASSETS / "hybrid-demo"  # a hybrid recurrent target (decoder/lab/train.py: HybridDemoRecipe)
 
 
 class ModelLoadError(RuntimeError):
@@ -26,6 +27,11 @@ class Deployment:
 
 def demo_deployment() -> Deployment:
     return Deployment("demo", DEMO_DIR / "target", DEMO_DIR / "drafter", DEMO_DIR / "prompts")
+
+
+def hybrid_demo_deployment() -> Deployment:
+    """The hybrid demo: its own target, the demo's draft model and prompts (one tokenizer for all)."""
+    return Deployment("hybrid-demo", HYBRID_DEMO_DIR / "target", DEMO_DIR / "drafter", DEMO_DIR / "prompts")
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from costmodel.cli import add_parser as add_costmodel_parsers
-from decoder.config import ConfigError, DecodeConfig
+from decoder.config import MAX_NEW_TOKENS, ConfigError, DecodeConfig
 from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int, quiet_transformers, write_atomic
 from workbench.demo_cli import add_parser as add_demo_parser
 from workbench.memory_cli import add_parser as add_memory_parser
@@ -78,7 +78,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _check_max_new_tokens(args: argparse.Namespace, target: Path, prompt_dir: Path | None) -> None:
     """Refuse a --max-new-tokens the target cannot hold before any model loads (a BenchError naming the most it
     can): the longest prompt plus the new tokens must fit in its max_position_embeddings."""
-    from decoder.config import MAX_NEW_TOKENS
     from decoder.lab.bench import BenchError, load_prompts
     from decoder.models import load_tokenizer, max_positions
 
@@ -184,11 +183,28 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_hybrid(args: argparse.Namespace) -> int:
+    from decoder.lab.train import train_hybrid_demo
+    from decoder.models import DEMO_DIR, HYBRID_DEMO_DIR
+
+    out = Path(args.out) if args.out else HYBRID_DEMO_DIR
+    work = Path(args.work_dir) if args.work_dir else Path("build/train-hybrid")
+    if args.force:
+        shutil.rmtree(out / "target", ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    results = train_hybrid_demo(out, work, DEMO_DIR)
+    print(json.dumps({k: {"parameters": v["parameters"], "final_val_loss": v["final_val_loss"]}
+                      for k, v in results.items()}))
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.what == "drafter":
         return _cmd_train_drafter(args)
+    if args.what == "hybrid-demo":
+        return _cmd_train_hybrid(args)
     if args.what != "demo":
-        return fail(f"train {args.what}: unknown; available: demo, drafter")
+        return fail(f"train {args.what}: unknown; available: demo, hybrid-demo, drafter")
     from decoder.lab.train import train_demo
     from decoder.models import DEMO_DIR
 
@@ -215,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark AR, our SD and Hugging Face generate on the same prompts")
     src = b.add_mutually_exclusive_group()
-    src.add_argument("--deployment", default="demo", help="a named deployment (default: demo)")
+    src.add_argument("--deployment", default="demo",
+                     help="a named deployment: demo, or hybrid-demo (a hybrid recurrent target) (default: demo)")
     src.add_argument("--target", help="a local Hugging Face model directory to use as target")
     b.add_argument("--drafter", help="draft model directory (with --target)")
     b.add_argument("--prompts", default="code", help="code, prose, or a .jsonl file of {id, text} rows")
@@ -271,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)  # `demo`
 
     t = sub.add_parser("train", help="train models by the project's own recipes")
-    t.add_argument("what", choices=("demo", "drafter"),
-                   help="demo: tokenizer, target and draft model of the embedded demo; drafter: a block "
+    t.add_argument("what", choices=("demo", "hybrid-demo", "drafter"),
+                   help="demo: tokenizer, target and draft model of the embedded demo; hybrid-demo: the hybrid "
+                        "recurrent target distilled from the demo target; drafter: a block "
                         "drafter, MTP heads or the domain router for a target (self-distilled)")
     t.add_argument("--out", help="output (demo: root, default the package's demo assets; drafter: its "
                                  "directory, default TARGET/drafters/KIND, router: TARGET/drafters/router.json)")

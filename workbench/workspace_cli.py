@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from decoder.models import hybrid_demo_deployment
 from store import NotFound, StoreError, to_dict
 from workbench.cli_util import fail, quiet_transformers, run_group
 from workbench.export import export, record_mechanism
@@ -29,6 +30,26 @@ def _workspace(args: argparse.Namespace):
 def _errors():
 
     return (WorkspaceError, StoreError, NotFound, SystemCrash)
+
+
+def _init_hybrid_demo(args: argparse.Namespace) -> int:
+    """The hybrid demo deployment (a hybrid recurrent target, the demo's draft model and code prompts) as a
+    workspace, through the same path as a user's own model."""
+    d = hybrid_demo_deployment()
+    if not (d.target / "config.json").exists():
+        return fail(f"the hybrid demo target is missing under {d.target.parent}; run `specpilot train hybrid-demo`")
+    if args.prompts not in (None, "code", "prose"):
+        return fail(f"init hybrid-demo: --prompts {args.prompts}: the demo has code and prose prompt sets")
+    path = Path(args.path) if args.path else default_demo_path().with_name("hybrid-demo")
+    quiet_transformers()
+    try:
+        ws = init_target(path, d.target, drafter=d.drafter, prompts=d.prompt_dir / f"{args.prompts or 'code'}.jsonl",
+                         name=args.name or "hybrid-demo")
+    except _errors() as e:
+        return fail(str(e))
+    print(f"created hybrid demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
+    print(json.dumps({"workspace": str(ws.path), "stock_commit": ws.stock_commit}) if args.json else ws.path)
+    return 0
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -54,10 +75,12 @@ def _cmd_init(args: argparse.Namespace) -> int:
                           "target": str(c.target), "drafter": str(c.drafter) if c.drafter else None,
                           "visible": visible, "hidden": hidden}) if args.json else ws.path)
         return 0
+    if args.what == "hybrid-demo":
+        return _init_hybrid_demo(args)
     if args.what != "demo":
         what = f"init {args.what}: unknown" if args.what else "init needs what to create"
-        return fail(f"{what}; use `specpilot init demo [PATH]` or, for your own model, "
-                    f"`specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
+        return fail(f"{what}; use `specpilot init demo [PATH]`, `specpilot init hybrid-demo [PATH]` or, for your "
+                    f"own model, `specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
 
     try:
         ws = init_demo(args.path, prompts=args.prompts or "code", name=args.name)
@@ -143,11 +166,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     i = sub.add_parser("init", help="create a workspace (git repository whose first commit is stock)",
-                       usage="specpilot init demo [PATH] [--prompts code|prose] [--name NAME] [--json]\n"
+                       usage="specpilot init demo|hybrid-demo [PATH] [--prompts code|prose] [--name NAME] [--json]\n"
                              "       specpilot init --target DIR [--drafter DIR] [--prompts FILE] [--name NAME] "
                              "[--json] PATH")
-    i.add_argument("what", nargs="?", metavar="demo | PATH",
-                   help="demo: the embedded demo deployment; with --target: the folder to create")
+    i.add_argument("what", nargs="?", metavar="demo | hybrid-demo | PATH",
+                   help="demo: the embedded demo deployment; hybrid-demo: its hybrid recurrent target with the "
+                        "demo's draft model; with --target: the folder to create")
     i.add_argument("path", nargs="?", help="demo: folder to create (default: $SPECPILOT_DATA_DIR/workspaces/demo)")
     i.add_argument("--target", metavar="DIR", help="your deployment: the target's local Hugging Face model directory")
     i.add_argument("--drafter", metavar="DIR",

@@ -28,6 +28,7 @@ from decoder.models import (
     check_model_dir,
     check_same_tokenizer,
     demo_deployment,
+    hybrid_demo_deployment,
     load_causal_lm,
     load_tokenizer,
 )
@@ -605,9 +606,12 @@ def format_table(report: dict) -> str:
 
 
 def bench_deployment(name: str) -> tuple[Path, Path | None, Path | None]:
-    if name != "demo":
-        raise BenchError(f"--deployment {name}: unknown; use demo, or --target DIR [--drafter DIR]")
-    d = demo_deployment()
+    deployments = {"demo": demo_deployment, "hybrid-demo": hybrid_demo_deployment}
+    if name not in deployments:
+        raise BenchError(f"--deployment {name}: unknown; use {' or '.join(deployments)}, or --target DIR "
+                         f"[--drafter DIR]")
+    d = deployments[name]()
     if not (d.target / "config.json").exists():
-        raise ModelLoadError(f"the demo models are missing under {d.target.parent}; run `specpilot train demo`")
+        train = "specpilot train hybrid-demo" if name == "hybrid-demo" else "specpilot train demo"
+        raise ModelLoadError(f"the {name} models are missing under {d.target.parent}; run `{train}`")
     return d.target, d.drafter, d.prompt_dir

@@ -53,6 +53,10 @@ class LMSpec:
     # Token-level unlikelihood (Welleck et al., 2019): this weight times -log(1 - p(c)) summed over the
     # tokens c already in the context (the true next token excepted); discourages greedy loops.
     unlikelihood: float = 0.0
+    # "llama", or "qwen3_next": a hybrid of gated DeltaNet (recurrent linear attention) and gated full
+    # attention layers, alternating (full attention every `full_attention_interval` layers), dense MLPs.
+    arch: str = "llama"
+    full_attention_interval: int = 2
 
 
 @dataclass
@@ -183,6 +187,27 @@ def tokenize_corpus(docs: list[Document], tokenizer_dir: Path, cache_dir: Path, 
 # ---------------------------------------------------------------- LM training
 
 
+def _model_config(spec: LMSpec, vocab_size: int, eos_id: int):
+    """The transformers config of `spec`'s architecture."""
+    if spec.arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        head_dim = spec.hidden_size // spec.num_attention_heads
+        return Qwen3NextConfig(
+            vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads, head_dim=head_dim, max_position_embeddings=2048,
+            rope_theta=10000.0, tie_word_embeddings=True, full_attention_interval=spec.full_attention_interval,
+            mlp_only_layers=list(range(spec.num_hidden_layers)), num_experts=0,  # dense MLP in every layer
+            linear_num_key_heads=spec.num_key_value_heads, linear_num_value_heads=spec.num_attention_heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+            bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        )
+    if spec.arch != "llama":
+        raise ValueError(f"LMSpec.arch {spec.arch!r}: use 'llama' or 'qwen3_next'")
+    return _llama_config(spec, vocab_size, eos_id)
+
+
 def _llama_config(spec: LMSpec, vocab_size: int, eos_id: int):
     from transformers import LlamaConfig
 
@@ -256,9 +281,9 @@ def train_lm(spec: LMSpec, data: dict[str, np.ndarray], tokenizer_dir: Path, wor
         return json.loads((out_dir / "recipe.json").read_text())
     tok = load_tokenizer(tokenizer_dir)
     eos = tok.convert_tokens_to_ids(EOS)
-    config = _llama_config(spec, len(tok), eos)
+    config = _model_config(spec, len(tok), eos)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config) if spec.arch == "llama" else AutoModelForCausalLM.from_config(config)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
     teacher = None
     if teacher_dir is not None:
@@ -393,3 +418,39 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
          "target_stages": [asdict(x) for x in recipe.target_stages],
          "drafter": asdict(recipe.drafter)}, indent=2))
     return results
+
+
+@dataclass
+class HybridDemoRecipe:
+    """The hybrid demo: a Qwen3-Next-style target (gated DeltaNet layers alternating with gated attention,
+    dense MLPs) distilled from the demo target on the same corpus and tokenizer, so the demo's draft model,
+    distilled from the same teacher, drafts for it. Speculative decoding on it rolls the recurrent state back
+    (decoder/runners.py: RollbackCache)."""
+
+    target: LMSpec = field(
+        default_factory=lambda: LMSpec(
+            name="hybrid-target", arch="qwen3_next", hidden_size=192, num_hidden_layers=6, intermediate_size=512,
+            num_attention_heads=3, num_key_value_heads=1, steps=700, batch_size=8, seq_len=256, lr=3e-3,
+            warmup_steps=50, distill_from="demo-target", distill_ce_weight=0.1,
+        )
+    )
+
+
+def train_hybrid_demo(out_root: Path, work_dir: Path, demo_root: Path, recipe: HybridDemoRecipe | None = None,
+                      ) -> dict:
+    """Distil the hybrid demo target from the demo target (resumable from `work_dir`); the demo's draft
+    model is its drafter (same tokenizer, same teacher). Writes out_root/target and out_root/recipe.json."""
+    recipe = recipe or HybridDemoRecipe()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)))
+    teacher = demo_root / "target"
+    if not (teacher / "recipe.json").exists():
+        raise SystemExit(f"error: the hybrid demo distils from the demo target; {teacher} is missing "
+                         f"(specpilot train demo --only target)")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tok_dir = demo_root / "tokenizer"
+    data = tokenize_corpus(all_documents(), tok_dir, work_dir / "tokens", recipe.target.prose_upweight)
+    result = train_lm(recipe.target, data, tok_dir, work_dir, out_root / "target", teacher)
+    _atomic_write_text(out_root / "recipe.json", json.dumps(
+        {"target": asdict(recipe.target), "teacher": "demo target", "drafter": "the demo's draft model"},
+        indent=2))
+    return {"target": result}
