@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from decoder.proposer import Draft, Proposer, Verdict
-from decoder.runners import as_runner, rollback
+from decoder.runners import LAZY_REFEED, as_runner, rollback
 
 
 class Drafter(Proposer):
@@ -85,8 +85,8 @@ class DraftModelDrafter(Drafter):
         before = len(tokens) - n_accepted - 1
         keep = before + min(n_accepted, self._fed)
         if keep <= self.cache_len:  # == : every fed draft survived, a commit point for a recurrent cache
-            self.forwards += rollback(self.model, self.cache, keep, tokens) > 0
-            self.cache_len = keep
+            self.forwards += rollback(self.model, self.cache, keep, tokens, lazy=LAZY_REFEED) > 0
+            self.cache_len = self.cache.get_seq_length()  # keep, or less: the next draft feeds the rest
 
 
 class NgramDrafter(Drafter):

@@ -21,7 +21,7 @@ from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.lean import LeanLM, StaticLeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
 from decoder.proposer import Draft, Proposer, Verdict
-from decoder.runners import HFRunner, as_runner, crop_cache, rollback  # noqa: F401 (re-exported)
+from decoder.runners import LAZY_REFEED, HFRunner, as_runner, crop_cache, rollback  # noqa: F401 (re-exported)
 from decoder.tree import TreeDrafter, TwoLevelDrafter, tree_accept, tree_attention_mask, tree_positions
 from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
 
@@ -156,15 +156,22 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
         k = draft.size
         timer.mark("draft")
 
-        start = cache.get_seq_length()  # the last committed token's slot
-        inp = torch.cat([torch.tensor([tokens[-1]], device=device), draft.tokens])  # [1 + N]
-        assert start == len(tokens) - 1, "the cache holds every committed token but the last"
+        # The committed tokens the cache has not seen: the last one, or more after a lazy rollback of a
+        # recurrent cache (decoder/runners.py), fed in the same forward as the draft.
+        start = cache.get_seq_length()
+        pending = len(tokens) - start
+        inp = torch.cat([torch.tensor(tokens[start:], device=device), draft.tokens])  # [pending + N]
         if tree is None:
             out = target.forward(inp, cache, **hook)  # [1 + k, V]
         else:
             out = target.forward(inp, cache, positions=tree_positions(tree.depth, start),
                                  attn_mask=tree_attention_mask(tree.anc, start), **hook)
         logits, hidden = out if capture else (out, None)
+        if pending > 1:  # rows of the tokens committed earlier: only the last one's prediction is new
+            if capture or tree is not None:
+                raise ValueError("a lazy rollback leaves several tokens to feed; trees and feature drafters "
+                                 "need the cache at the last committed token (lean caches crop exactly)")
+            logits = logits[pending - 1 :]
         stats.target_forwards += 1
         stats.target_tokens += inp.shape[0]
         timer.mark("verify")
@@ -190,7 +197,7 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
             rows = hidden[: n + 1] if capture else None
         tokens.extend(committed)
         if tree is None:  # keep the step's input token and the n accepted drafts: all committed but the last
-            refed = rollback(target, cache, len(tokens) - 1, tokens)
+            refed = rollback(target, cache, len(tokens) - 1, tokens, lazy=LAZY_REFEED)
             if refed:  # a recurrent target fed the accepted tokens again: target work like any forward
                 stats.target_forwards += 1
                 stats.target_tokens += refed

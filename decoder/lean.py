@@ -50,8 +50,10 @@ _REFUSED_WHY = {
     "gpt_oss": "mixture-of-experts MLP, attention sinks",
     "mamba": "recurrent (state-space) layers", "mamba2": "recurrent (state-space) layers",
     "falcon_mamba": "recurrent (state-space) layers", "recurrent_gemma": "recurrent layers",
-    "jamba": "recurrent (Mamba) layers, mixture-of-experts MLP",
-    "qwen3_next": "linear-attention (recurrent) layers, mixture-of-experts MLP",
+    "jamba": "recurrent (Mamba) layers", "bamba": "recurrent (Mamba2) layers",
+    "falcon_h1": "recurrent (Mamba2) layers", "zamba2": "recurrent (Mamba2) layers",
+    "lfm2": "recurrent (short convolution) layers",
+    "qwen3_next": "linear-attention (recurrent) layers",
     "gemma3": "per-layer-type RoPE, q/k norms", "gemma3_text": "per-layer-type RoPE, q/k norms",
     "cohere": "LayerNorm, parallel residual", "olmo2": "q/k norms over all heads, post-norms",
 }
@@ -104,8 +106,9 @@ def lean_unsupported_reason(config) -> str | None:
         why = _REFUSED_WHY.get(mt)
         experts = next((getattr(config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
                         if getattr(config, a, None)), None)
-        if why is None and experts:
-            why = f"mixture-of-experts MLP, {experts} experts"
+        if experts and "mixture-of-experts" not in (why or ""):  # read from the config: a type can go dense
+            why = f"{why}, " if why else ""
+            why += f"mixture-of-experts MLP, {experts} experts"
         return (f"lean forward: model_type {mt!r}{f' ({why})' if why else ''} is not supported "
                 f"(supported: {', '.join(SUPPORTED)}); use the HF path")
     act = _activation_name(config)

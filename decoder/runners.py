@@ -30,6 +30,11 @@ def recurrent_layers(config) -> list[str]:
     return sorted(kinds)
 
 
+# A recurrent cache rolled back after a rejected draft feeds the accepted tokens again with the next forward
+# (one forward per step) while there are at most this many; more are fed at once, in their own forward.
+LAZY_REFEED = 8
+
+
 class RollbackCache:
     """A Hugging Face cache of a model with recurrent layers, with exact rollback to a committed length.
 
@@ -139,10 +144,12 @@ def crop_cache(cache, keep: int) -> None:
         cache.crop(-drop)
 
 
-def rollback(runner, cache, keep: int, tokens: list[int]) -> int:
-    """Make `cache` hold exactly `tokens[:keep]` (a prefix of what it holds). Attention caches crop; a
+def rollback(runner, cache, keep: int, tokens: list[int], lazy: int = 0) -> int:
+    """Roll `cache` back to `tokens[:keep]` (a prefix of what it holds). Attention caches crop; a
     RollbackCache restores its saved state and feeds `tokens[saved:keep]` again, leaving a commit point.
-    Returns how many tokens were fed again (0: no forward ran)."""
+    With `lazy`, up to that many tokens are not fed now: the cache stays at the saved point (read
+    `cache.get_seq_length()`) and the caller feeds them with its next forward, which costs little more on a
+    target whose forward cost is flat in its width. Returns how many tokens were fed again (0: no forward)."""
     if not isinstance(cache, RollbackCache):
         crop_cache(cache, keep)
         return 0
@@ -153,6 +160,8 @@ def rollback(runner, cache, keep: int, tokens: list[int]) -> int:
     if keep < start:
         raise ValueError(f"rollback to {keep} tokens: the recurrent state was saved at {start}; a step cannot "
                          f"roll back past its own start")
+    if keep - start <= lazy:
+        return 0  # the next forward feeds them; it saves the state here first
     if keep > start:
         cache.hold()
         runner.forward(torch.tensor(tokens[start:keep], device=runner.device), cache, last_only=True)

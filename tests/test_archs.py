@@ -228,3 +228,24 @@ def test_near_tie_fraction_says_how_much_the_noise_floor_excuses():
                            "mismatched_prompts": 0, "unexplained_mismatches": 0}]}
     assert "WEAK LOSSLESS CHECK" in format_table(report)
     assert "WEAK" not in format_table({**report, "near_tie_fraction": 0.01})
+
+
+@pytest.mark.parametrize("name", ["bamba", "qwen3_next"])
+def test_a_lazy_rollback_leaves_the_accepted_tokens_to_the_next_forward(name):
+    """With `lazy`, the cache stays at the saved point and the accepted tokens ride along with the next
+    forward: the same chunks as a cache that never saw the rejected ones, bit for bit."""
+    runner = as_runner(_build(name, 0))
+    ids = list(range(3, 23))
+    with torch.inference_mode():
+        cache = runner.new_cache()
+        runner.forward(torch.tensor(ids[:12]), cache)
+        runner.forward(torch.tensor(ids[12:16]), cache)
+        assert rollback(runner, cache, 14, ids, lazy=8) == 0  # nothing fed now
+        assert cache.get_seq_length() == 12
+        after = runner.forward(torch.tensor(ids[12:18]), cache)  # the 2 accepted tokens and 4 more
+        assert rollback(runner, cache, 13, ids, lazy=0) == 1  # not lazy: restore to 12 and feed one token
+        assert cache.get_seq_length() == 13
+        fresh = runner.new_cache()
+        runner.forward(torch.tensor(ids[:12]), fresh)
+        expect = runner.forward(torch.tensor(ids[12:18]), fresh)
+    assert torch.equal(after, expect)
