@@ -30,8 +30,8 @@ def demo_deployment() -> Deployment:
 
 
 def hybrid_demo_deployment() -> Deployment:
-    """The hybrid demo: its own target, the demo's draft model and prompts (one tokenizer for all)."""
-    return Deployment("hybrid-demo", HYBRID_DEMO_DIR / "target", DEMO_DIR / "drafter", DEMO_DIR / "prompts")
+    """The hybrid demo: its target and draft model, the demo's prompts (one tokenizer for all)."""
+    return Deployment("hybrid-demo", HYBRID_DEMO_DIR / "target", HYBRID_DEMO_DIR / "drafter", DEMO_DIR / "prompts")
 
 
 def torch_dtype(name: str) -> torch.dtype:
