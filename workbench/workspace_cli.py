@@ -33,7 +33,7 @@ def _errors():
 
 
 def _init_hybrid_demo(args: argparse.Namespace) -> int:
-    """The hybrid demo deployment (a hybrid recurrent target, the demo's draft model and code prompts) as a
+    """The hybrid demo deployment (a hybrid recurrent target, its draft model, the demo's code prompts) as a
     workspace, through the same path as a user's own model."""
     d = hybrid_demo_deployment()
     if not (d.target / "config.json").exists():
@@ -170,8 +170,8 @@ def add_parser(sub) -> None:
                              "       specpilot init --target DIR [--drafter DIR] [--prompts FILE] [--name NAME] "
                              "[--json] PATH")
     i.add_argument("what", nargs="?", metavar="demo | hybrid-demo | PATH",
-                   help="demo: the embedded demo deployment; hybrid-demo: its hybrid recurrent target with the "
-                        "demo's draft model; with --target: the folder to create")
+                   help="demo: the embedded demo deployment; hybrid-demo: a hybrid recurrent target and its "
+                        "draft model; with --target: the folder to create")
     i.add_argument("path", nargs="?", help="demo: folder to create (default: $SPECPILOT_DATA_DIR/workspaces/demo)")
     i.add_argument("--target", metavar="DIR", help="your deployment: the target's local Hugging Face model directory")
     i.add_argument("--drafter", metavar="DIR",
