@@ -10,8 +10,9 @@ picks the methods that can run and lists the skipped ones with these reasons; `g
   before the step and re-feed the accepted tokens (decoder/runners.py: RollbackCache).
 - The lean forward (and what is built on it: feature drafters, tree and two-level verification, D-cut,
   cuda graphs, the batched engine) covers the architectures `decoder.lean.lean_unsupported_reason` accepts.
-- Tree verification feeds a tree of drafts in one forward under a tree mask; a recurrent layer would need a
-  state per branch, so trees over recurrent targets are refused.
+- Tree verification feeds a tree of drafts in one forward under a tree mask on the lean forward; a target
+  with recurrent layers (HF path) verifies it as one batch row per root-to-leaf branch, each with its own
+  copy of the recurrent state (decoder/runners.py). The draft model grows the tree on its lean forward.
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
             why = lean_unsupported_reason(_text(drafter_config))
             if why:
                 return f"drafter: {why}"
-    if cfg.method == "sd" and cfg.verify in ("tree", "two-level") and recurrent:
-        return (f"{cfg.verify} verification over recurrent layers ({', '.join(recurrent)}) needs one state per "
-                f"branch, which is not implemented; use verify = 'chain'")
+    if cfg.method == "sd" and cfg.verify in ("tree", "two-level"):
+        if not cfg.lean_forward and not recurrent:
+            return (f"{cfg.verify} verification on the HF path runs only on targets with recurrent layers (one "
+                    f"batch row per branch); set lean_forward = true")
+        if not cfg.lean_forward and drafter_config is not None:
+            why = lean_unsupported_reason(_text(drafter_config))
+            if why:
+                return f"{cfg.verify} verification grows its tree on the drafter's lean forward: drafter: {why}"
     if cfg.weight_format == "w12" and dtype not in (None, "bfloat16"):
         return f"w12 weights pack bf16 weights; the model is loaded as {dtype} (use --dtype bfloat16)"
     if uses_drafter_model and drafter_config is not None:

@@ -17,7 +17,10 @@ ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router ma
 # its drafts are deterministic, so rejection sampling runs with a one-hot q).
 FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "verify": "chain", "dcut": False}
 # What tree and two-level verification need: greedy, on the lean forward, with a draft model.
-TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "lean_forward": True, "cuda_graphs": False, "temperature": 0.0}
+# Tree and two-level verification: greedy, with a draft model (which grows the tree on the lean forward). The
+# target verifies on the lean forward (a tree mask), or on the HF path when it has recurrent layers (one batch
+# row per branch, decoder/runners.py); decoder/capabilities.py decides which a model allows.
+TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "cuda_graphs": False, "temperature": 0.0}
 DTYPES = ("bfloat16", "float32", "float16")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
@@ -204,8 +207,8 @@ class DecodeConfig:
                     raise bad(key, why.format(k=k, want=want))
 
         if self.verify != "chain":
-            require(TREE_NEEDS, "verify", f"{self.verify} verification needs {{k}} = {{want!r}} (it runs greedy on "
-                                          f"the lean forward with a draft model); set it or use verify = 'chain'")
+            require(TREE_NEEDS, "verify", f"{self.verify} verification needs {{k}} = {{want!r}} (it runs greedy "
+                                          f"with a draft model); set it or use verify = 'chain'")
         if self.dcut:
             if self.drafter != "draft-model":
                 raise bad("dcut", "D-cut reads the draft model's probabilities; set drafter = 'draft-model'")

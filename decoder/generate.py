@@ -173,7 +173,8 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
                                  "need the cache at the last committed token (lean caches crop exactly)")
             logits = logits[pending - 1 :]
         stats.target_forwards += 1
-        stats.target_tokens += inp.shape[0]
+        branches = getattr(cache, "branches", None)  # a recurrent target's tree: one row per branch
+        stats.target_tokens += len(branches) * (cache.get_seq_length() - start) if branches else inp.shape[0]
         timer.mark("verify")
 
         if tree is not None:
@@ -196,11 +197,13 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
             path, fed = list(range(n)), []
             rows = hidden[: n + 1] if capture else None
         tokens.extend(committed)
-        if tree is None:  # keep the step's input token and the n accepted drafts: all committed but the last
-            refed = rollback(target, cache, len(tokens) - 1, tokens, lazy=LAZY_REFEED)
-            if refed:  # a recurrent target fed the accepted tokens again: target work like any forward
-                stats.target_forwards += 1
-                stats.target_tokens += refed
+        # Keep the step's input token and the n accepted drafts: all committed but the last (a tree's path was
+        # compacted into place above; a recurrent cache restores and re-feeds, at once after a tree step so the
+        # next tree starts at its root).
+        refed = rollback(target, cache, len(tokens) - 1, tokens, lazy=LAZY_REFEED if tree is None else 0)
+        if refed:  # a recurrent target fed the accepted tokens again: target work like any forward
+            stats.target_forwards += 1
+            stats.target_tokens += refed
         proposer.accepted(tokens, Verdict(n, path, fed, rows))
         if k > 0:
             stats.draft_steps += 1
@@ -248,16 +251,18 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
 
         apply_w12(target)  # in place: the caller's target now holds 12-bit weights
         target._specpilot_w12 = True
-    if cfg.lean_forward:
-        def lean(m):
-            # Built once per model and kept: fusing the projections copies every weight.
-            per_model = _LEAN.setdefault(m, {})
-            if cfg.cuda_graphs not in per_model:
-                per_model[cfg.cuda_graphs] = StaticLeanLM(LeanLM(m)) if cfg.cuda_graphs else LeanLM(m)
-            return per_model[cfg.cuda_graphs]
+    def lean(m):
+        # Built once per model and kept: fusing the projections copies every weight.
+        per_model = _LEAN.setdefault(m, {})
+        if cfg.cuda_graphs not in per_model:
+            per_model[cfg.cuda_graphs] = StaticLeanLM(LeanLM(m)) if cfg.cuda_graphs else LeanLM(m)
+        return per_model[cfg.cuda_graphs]
 
+    if cfg.lean_forward:
         target = lean(target)
         drafter_model = lean(drafter_model) if drafter_model is not None else None
+    elif cfg.method == "sd" and cfg.verify != "chain" and drafter_model is not None:
+        drafter_model = lean(drafter_model)  # the tree grows on the drafter's lean forward; the target is HF
     if cfg.method == "ar":
         return ar_generate(target, prompt, cfg, profile_sync)
     device = as_runner(target).device

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from decoder.config import FEATURE_NEEDS, TREE_NEEDS, DecodeConfig
 
+# What the tuner sets with a tree mechanism: the lean forward too (on a recurrent target, where it cannot run,
+# Workspace.refusal drops the candidate: tree verification there is the HF path's, set by hand or by an agent).
+TREE_MECHANISM_NEEDS = {**{k: v for k, v in TREE_NEEDS.items() if k != "cuda_graphs"}, "lean_forward": True}
+
 
 @dataclass(frozen=True)
 class Mechanism:
@@ -102,7 +106,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "step cost grows slowly with verify width (batch 1, memory- or overhead-bound)",
         summary="one target forward over a draft tree (static shape or EAGLE-2 dynamic expansion under a node "
                 "budget) with an ancestor-only mask; the accepted path's KV compacted in place (decoder/tree.py)",
-        requires={k: v for k, v in TREE_NEEDS.items() if k != "cuda_graphs"},
+        requires=TREE_MECHANISM_NEEDS,
     ),
     Mechanism(
         name="two-level-verify", family="acceptance",
@@ -112,7 +116,7 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "cost is flat in verify width",
         summary="level 1 the drafter's chain, level 2 its next-best tokens beside every chain node as leaves, "
                 "one target forward; no drafter forward beyond the chain's (decoder/tree.py)",
-        requires={k: v for k, v in TREE_NEEDS.items() if k != "cuda_graphs"},
+        requires=TREE_MECHANISM_NEEDS,
     ),
     Mechanism(
         name="d-cut", family="drafting",

@@ -34,6 +34,9 @@ PRESETS: dict[str, dict] = {
     "sd-tree": {"lean_forward": True, "verify": "tree"},
     "sd-two-level": {"lean_forward": True, "verify": "two-level"},
     "sd-dcut": {"lean_forward": True, "dcut": True, "draft_len": DCUT_MAX_LEN},
+    # The same verification on the HF path, for targets with recurrent layers (one batch row per branch).
+    "sd-tree-hf": {"verify": "tree"},
+    "sd-two-level-hf": {"verify": "two-level"},
     # Mechanisms block-drafter, mtp-heads and domain-routing.
     "sd-block": {"lean_forward": True, "drafter": "block", "draft_len": BLOCK_DRAFT_LEN},
     "sd-mtp": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN},

@@ -46,6 +46,7 @@ class RollbackCache:
         self.hf = hf  # the transformers cache the model reads and writes
         self.length = 0  # tokens the cache has seen
         self._saved: tuple[int, list] | None = None  # (length, per recurrent layer (conv states, rec states))
+        self.branches: list[list[int]] | None = None  # a tree step's root-to-leaf node paths, one batch row each
 
     def get_seq_length(self) -> int:
         return self.length
@@ -89,6 +90,14 @@ class RollbackCache:
     def commit(self) -> None:
         self._saved = None
 
+    def compact(self, start: int, rows: torch.Tensor) -> None:
+        """After a tree step: keep the batch row of a branch that holds the accepted path (`rows`: node indices,
+        the root first). The row saw its whole branch; `rollback` then restores and re-feeds what it needs."""
+        path = rows.tolist()
+        b = next(i for i, br in enumerate(self.branches) if br[: len(path)] == path)
+        self.hf.reorder_cache(torch.tensor([b], device=rows.device))
+        self.branches = None
+
     def hold(self) -> None:
         """The current state is a commit point already: the next forward need not save it."""
         self._saved = (self.length, [])
@@ -115,15 +124,43 @@ class HFRunner:
         # other; the model's attention mask still applies the window.
         return DynamicCache()
 
-    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache, last_only: bool = False, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         hf = cache
         if isinstance(cache, RollbackCache):
             if cache.length > 0 and cache.saved_length() is None:
                 cache.save()
+            if attn_mask is not None:
+                return self._tree_forward(ids, cache, attn_mask)
             hf = cache.hf
             cache.length += ids.shape[0]
+        elif attn_mask is not None:
+            raise ValueError("tree verification on the HF path needs a target with recurrent layers; use the "
+                             "lean forward (lean_forward = true)")
         return self.model(input_ids=ids.view(1, -1), **{self._cache_kw: hf}, use_cache=True,
                           logits_to_keep=1 if last_only else 0).logits[0]
+
+    def _tree_forward(self, ids: torch.Tensor, cache: RollbackCache, attn_mask: torch.Tensor) -> torch.Tensor:
+        """A tree of q nodes (node 0 the root) verified as one batch row per root-to-leaf branch: a recurrent
+        layer reads a sequence, so each branch gets its own copy of the state (the cache expanded to the
+        branches, `RollbackCache.compact` keeps one). Rows are padded to the longest branch by repeating their
+        leaf. Returns each node's logits [q, V] in node order, read from the first branch that holds it."""
+        start, q = cache.length, ids.shape[0]
+        anc = attn_mask[:, start : start + q]  # [q, q]: node i sees its ancestors and itself
+        leaves = [i for i in range(q) if int(anc[:, i].sum()) == 1]  # no one else sees them
+        branches = [anc[leaf].nonzero().flatten().tolist() for leaf in leaves]  # node order = depth order
+        width = max(len(b) for b in branches)
+        rows = torch.stack([ids[b + [b[-1]] * (width - len(b))] for b in branches])  # [B, width]
+        cache.hf.reorder_cache(torch.zeros(len(branches), dtype=torch.long, device=ids.device))
+        logits = self.model(input_ids=rows, **{self._cache_kw: cache.hf}, use_cache=True).logits  # [B, width, V]
+        cache.length = start + width
+        cache.branches = branches
+        where = {}
+        for bi, b in enumerate(branches):
+            for pos, node in enumerate(b):
+                where.setdefault(node, (bi, pos))
+        index = torch.tensor([where[i] for i in range(q)], device=ids.device)
+        return logits[index[:, 0], index[:, 1]]  # [q, V]
 
 
 def as_runner(model):

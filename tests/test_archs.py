@@ -62,7 +62,7 @@ ARCHS = {
 # The chain and tree methods of the bench, on the HF path and on the lean forward (feature drafters are
 # lean-forward proposers too: tests/test_featdraft.py and tests/test_lean_archs.py cover them).
 METHODS = ("ar", "sd-draft-model", "sd-ngram", "ar-lean", "sd-draft-model-lean", "sd-ngram-lean", "sd-tree",
-           "sd-two-level", "sd-dcut")
+           "sd-two-level", "sd-dcut", "sd-tree-hf", "sd-two-level-hf")
 BASE = DecodeConfig(max_new_tokens=24, dtype="float32", stop_at_eos=False, draft_len=3)
 
 
@@ -101,6 +101,8 @@ def run_cell(name: str, method: str) -> tuple[str, str]:
     """('refused', reason) | ('lossless', how) | ('WRONG', where) for one architecture and method."""
     target, drafter, prompt, ref, floor = _case(name)
     cfg = preset_config(method, BASE)
+    if method.endswith("-hf"):  # HF-path trees grow on the drafter's lean forward: a Llama drafts for them
+        drafter = _case("llama")[1]
     why = refusal(cfg, target.config, drafter.config)
     if why is not None:
         with pytest.raises(Unsupported) as e:  # generate refuses the same way, before any work
@@ -249,3 +251,44 @@ def test_a_lazy_rollback_leaves_the_accepted_tokens_to_the_next_forward(name):
         runner.forward(torch.tensor(ids[:12]), fresh)
         expect = runner.forward(torch.tensor(ids[12:18]), fresh)
     assert torch.equal(after, expect)
+
+
+@pytest.mark.parametrize("name", ["bamba", "qwen3_next"])
+def test_a_recurrent_target_verifies_a_tree_as_one_row_per_branch(name):
+    """Tree verification on a recurrent target: each node's logits are those of its branch run as a sequence
+    from the same state, and after the accepted path is kept (through either branch) the cache continues
+    exactly like one that only ever saw that path."""
+    from decoder.tree import tree_attention_mask, tree_positions
+
+    runner = as_runner(_build(name, 0))
+    ids = list(range(3, 15))  # 12 committed tokens; a tree on the last (the root): a and b under it, c under a
+    a, b, c = 41, 42, 43
+    anc = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 0, 1])
+
+    def fresh(*chunks):
+        f = runner.new_cache()
+        return [runner.forward(torch.tensor(ch), f) for ch in chunks]
+
+    with torch.inference_mode():
+        # Accept a (first branch: restored and re-fed), b (second branch, padded: the same), or a and c (the whole
+        # first branch: its row is kept as it is, no restore, so the right row must be chosen).
+        for path, accepted in (([0, 1], [a]), ([0, 2], [b]), ([0, 1, 3], [a, c])):
+            cache = runner.new_cache()
+            runner.forward(torch.tensor(ids[:11]), cache)
+            logits = runner.forward(torch.tensor([ids[11], a, b, c]), cache, positions=tree_positions(depth, 11),
+                                    attn_mask=tree_attention_mask(anc, 11))
+            assert logits.shape[0] == 4 and len(cache.branches) == 2
+            _, ac = fresh(ids[:11], [ids[11], a, c])  # the longest branch sets the rows' width
+            _, bb = fresh(ids[:11], [ids[11], b, b])  # the short branch, padded with its leaf
+            # A batch of two rows rounds a few last bits differently from one row (fp32): equal within 1e-5.
+            assert torch.allclose(logits[[0, 1, 3]], ac, atol=1e-5) and torch.allclose(logits[2], bb[1], atol=1e-5)
+            cache.compact(11, torch.tensor(path))  # keep a branch holding the path
+            committed = ids + accepted + [44]
+            rollback(runner, cache, len(committed) - 1, committed)
+            after = runner.forward(torch.tensor([44, 45]), cache)
+            expect = fresh(ids[:11], [ids[11], *accepted], [44, 45])[-1]
+            if len(accepted) == 2:  # the kept row ran in a batch of two: last bits may differ
+                assert torch.allclose(after, expect, atol=1e-5), path
+            else:  # restored and re-fed as one row: exact
+                assert torch.equal(after, expect), path

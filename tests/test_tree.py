@@ -313,7 +313,6 @@ def test_config_keys_round_trip_validate_and_registry():
         (dict(verify="tree", tree_shape="4,x"), "tree_shape = '4,x'"),
         (dict(verify="tree", tree_shape="16,16"), "272 nodes exceed 256"),
         (dict(verify="tree", tree_budget=0), "tree_budget = 0"),
-        (dict(verify="tree", lean_forward=False), "needs lean_forward = True"),
         (dict(verify="two-level", temperature=0.7), "needs temperature = 0.0"),
         (dict(dcut=True, dcut_threshold=1.0), "dcut_threshold = 1.0"),
         (dict(dcut=True, drafter="ngram"), "dcut = True"),

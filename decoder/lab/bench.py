@@ -48,15 +48,18 @@ W12_METHODS = ("ar-w12", "sd-draft-model-w12", "sd-ngram-w12")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
+# Tree and two-level verification on the HF path, for targets with recurrent layers (one batch row per branch,
+# decoder/runners.py); the draft model grows the tree on its lean forward. Against `ar`.
+HF_TREE_METHODS = ("sd-tree-hf", "sd-two-level-hf")
 # Mechanisms block-drafter, mtp-heads and domain-routing (decoder/featdraft.py): drafters that read the
 # target's hidden states, on the lean forward; their speedup_vs_ar is against ar-lean. They need the
 # target's trained feature drafters (TARGET/drafters or --drafters); the default set skips them without.
 FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-routed")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
-ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + FEATURE_METHODS + HF_METHODS
+ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = ALL_METHODS + W12_METHODS
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "hf-assisted-draft-model",
-                       *TREE_METHODS)
+                       *TREE_METHODS, *HF_TREE_METHODS)
 VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12"}
 
 
@@ -84,6 +87,7 @@ class TreeSettings:
 
     def overrides(self, name: str) -> dict:
         """The DecodeConfig keys these flags set for method `name`."""
+        name = name.removesuffix("-hf")  # the HF-path variants take the same flags
         if name == "sd-tree":
             return {"tree_shape": self.tree_shape, "tree_topk": self.tree_topk, "tree_depth": self.tree_depth,
                     "tree_budget": self.tree_budget}
@@ -521,7 +525,7 @@ def run_bench(
             "target_forwards_per_token": round(res.stats.target_forwards / max(1, res.tokens), 4),
             "divergences": divergences,
         }
-        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + FEATURE_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry["target_tokens_per_token"] = round(res.stats.target_tokens / max(1, res.tokens), 4)
             entry["drafter_forwards_per_token"] = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
@@ -544,14 +548,16 @@ def run_bench(
                 continue
             entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
                                   ngram_draft_len if name.startswith("sd-ngram") else
-                                  bench.config(name).draft_len if name in ("sd-two-level", "sd-dcut") else None)
-            if name in TREE_METHODS:
+                                  bench.config(name).draft_len
+                                  if name in ("sd-two-level", "sd-dcut", "sd-two-level-hf") else None)
+            if name in TREE_METHODS + HF_TREE_METHODS:
                 c = bench.config(name)
+                base = name.removesuffix("-hf")
                 entry["mechanism_config"] = (
                     {"verify": "tree", "tree_shape": c.tree_shape, "tree_topk": c.tree_topk,
-                     "tree_depth": c.tree_depth, "tree_budget": c.tree_budget} if name == "sd-tree" else
+                     "tree_depth": c.tree_depth, "tree_budget": c.tree_budget} if base == "sd-tree" else
                     {"verify": "two-level", "two_level_alts": c.two_level_alts, "draft_len": c.draft_len}
-                    if name == "sd-two-level" else
+                    if base == "sd-two-level" else
                     {"dcut": True, "dcut_threshold": c.dcut_threshold, "draft_len": c.draft_len})
         report_methods.append(entry)
     order = {m: i for i, m in enumerate(KNOWN_METHODS)}
@@ -577,7 +583,7 @@ def run_bench(
         "drafter": str(drafter_dir) if drafter_dir else None,
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
                    "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens,
-                   **({"tree": asdict(tree)} if any(m in TREE_METHODS for m in methods) else {}),
+                   **({"tree": asdict(tree)} if any(m in TREE_METHODS + HF_TREE_METHODS for m in methods) else {}),
                    **({"feature": asdict(feature)} if any(m in FEATURE_METHODS for m in methods) else {})},
         "torch": torch.__version__,
         **({"w12": bench.w12_footprint} if bench.w12_footprint else {}),
