@@ -207,6 +207,19 @@ def test_the_tuner_proposes_only_what_a_hybrid_target_can_run(tmp_path):
     assert "lean forward" in ws.refusal(DecodeConfig(drafter="ngram", lean_forward=True))
     assert "no draft model" in ws.refusal(DecodeConfig(drafter="draft-model"))
     assert ws.refusal(DecodeConfig(drafter="ngram")) is None
+    # With a (Llama) draft model, tree verification is proposed on the HF path, without the lean forward.
+    drafter_dir = tmp_path / "drafter"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(transformers.LlamaConfig(num_hidden_layers=1, **{**ATT, "vocab_size": 6144})
+                                     ).save_pretrained(drafter_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / "target" / f, drafter_dir / f)
+    for p in (drafter_dir, *drafter_dir.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    with_drafter = init_target(tmp_path / "ws2", model_dir, drafter=drafter_dir)
+    base2 = DecodeConfig.from_table(with_drafter.config_at(with_drafter.stock_commit), known_only=True)
+    trees = [c for c in candidates(base2, "acceptance", [], refuse=with_drafter.refusal) if c.cfg.verify != "chain"]
+    assert trees and not any(c.cfg.lean_forward for c in trees)
     base = DecodeConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
     unfiltered = [c for fam in ("host-overhead", "drafting", "verification") for c in candidates(base, fam, [])]
     kept = [c for fam in ("host-overhead", "drafting", "verification")

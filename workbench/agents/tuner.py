@@ -100,7 +100,17 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
         except (ConfigError, TypeError):
             continue  # an incompatible combination (e.g. w12 with the lean forward)
         if refuse is not None and refuse(cfg):
-            continue  # e.g. the lean forward on a hybrid recurrent target
+            # A mechanism that asked for the lean forward may run without it (tree verification of a recurrent
+            # target runs on the HF path); otherwise the models cannot run it.
+            if not (changes.get("lean_forward") and not base.lean_forward):
+                continue
+            changes = {k: v for k, v in changes.items() if k != "lean_forward"}
+            try:
+                cfg = DecodeConfig(**{**base.as_dict(), **changes})
+            except (ConfigError, TypeError):
+                continue
+            if refuse(cfg):
+                continue
         c = Candidate({k: v for k, v in changes.items() if base.as_dict().get(k) != v}, source, cfg)
         if c.key not in seen and c.changes:
             seen.add(c.key)
