@@ -17,9 +17,8 @@ picks the methods that can run and lists the skipped ones with these reasons; `g
 
 from __future__ import annotations
 
+from decoder.archs import lean_unsupported_reason, recurrent_layers
 from decoder.config import DecodeConfig
-from decoder.lean import lean_unsupported_reason
-from decoder.runners import recurrent_layers
 
 
 class Unsupported(ValueError):

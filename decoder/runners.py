@@ -14,21 +14,8 @@ import inspect
 
 import torch
 
+from decoder.archs import recurrent_layers  # noqa: F401 (re-exported)
 from decoder.lean import LeanCache, LeanLM, StaticLeanLM
-
-
-def recurrent_layers(config) -> list[str]:
-    """Layer kinds of `config` that hold a recurrent state instead of (or beside) attention KV: empty for a
-    pure attention model. Read from the config alone (no weights)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kinds = set(getattr(cfg, "layer_types", None) or [])
-    kinds |= set(getattr(cfg, "layers_block_type", None) or [])
-    kinds -= {"attention", "full_attention", "sliding_attention", "chunked_attention", "hybrid_attention"}
-    if cfg.model_type in ("mamba", "mamba2", "falcon_mamba", "bamba", "jamba", "falcon_h1", "zamba", "zamba2",
-                          "granitemoehybrid", "nemotron_h", "qwen3_next", "lfm2", "lfm2_moe", "rwkv"):
-        kinds.add(cfg.model_type)
-    return sorted(kinds)
-
 
 # A recurrent cache rolled back after a rejected draft feeds the accepted tokens again with the next forward
 # (one forward per step) while there are at most this many; more are fed at once, in their own forward.

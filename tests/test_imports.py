@@ -162,3 +162,11 @@ def test_function_level_imports_only_at_the_heavy_seams():
                 continue  # a seam: the module pulls in a heavy dependency
             bad.add(f"{MODULES[m].relative_to(ROOT)}:{line} imports {target or name} inside a function")
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_command_lines_start_without_torch():
+    """`specpilot` and `specpilot-tui --auto` answer a usage error in well under a second: neither imports
+    torch (or transformers) at module level; the engine loads where a command needs it."""
+    heavy = _heavy_closure()
+    for entry in ("workbench.cli", "workbench.tui_entry", "workbench.workspace", "decoder.capabilities"):
+        assert not heavy[entry] & {"torch", "transformers"}, (entry, heavy[entry])

@@ -21,6 +21,12 @@ from workbench.workspace_cli import add_parser as add_workspace_parsers
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.drafter and not args.target:  # --deployment brings its own drafter; this one would be ignored
+        return fail(f"--drafter {args.drafter} needs --target DIR (the target it drafts for); add --target, or "
+                    f"drop --drafter to bench the {args.deployment} deployment")
+    why = check_out_file("--out", args.out) if args.out else None  # before minutes of measurement, not after
+    if why:
+        return fail(why)
     from decoder.lab.bench import (
         ALL_METHODS,
         BenchError,
@@ -32,12 +38,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     from decoder.models import ModelLoadError, demo_deployment
 
-    if args.drafter and not args.target:  # --deployment brings its own drafter; this one would be ignored
-        return fail(f"--drafter {args.drafter} needs --target DIR (the target it drafts for); add --target, or "
-                    f"drop --drafter to bench the {args.deployment} deployment")
-    why = check_out_file("--out", args.out) if args.out else None  # before minutes of measurement, not after
-    if why:
-        return fail(why)
     quiet_transformers()
 
     try:

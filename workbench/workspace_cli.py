@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-from decoder.models import hybrid_demo_deployment
 from store import NotFound, StoreError, to_dict
 from workbench.cli_util import fail, quiet_transformers, run_group
 from workbench.export import export, record_mechanism
@@ -35,6 +34,8 @@ def _errors():
 def _init_hybrid_demo(args: argparse.Namespace) -> int:
     """The hybrid demo deployment (a hybrid recurrent target, its draft model, the demo's code prompts) as a
     workspace, through the same path as a user's own model."""
+    from decoder.models import hybrid_demo_deployment  # the model paths' module loads torch: keep it off `init`
+
     d = hybrid_demo_deployment()
     if not (d.target / "config.json").exists():
         return fail(f"the hybrid demo target is missing under {d.target.parent}; run `specpilot train hybrid-demo`")
