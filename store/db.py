@@ -18,6 +18,7 @@ commits on its own, so a failing one leaves the database at the version before i
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +67,7 @@ def connect(path: str | Path, *, create: bool = True) -> sqlite_utils.Database:
         # each connection is still used by one thread at a time (thread-local in Memory).
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = _set_wal(conn)
         conn.execute("PRAGMA foreign_keys = ON")
         # FULL: a commit that returned survives power loss too; commits are rare (one per evaluation).
         conn.execute("PRAGMA synchronous = FULL")
@@ -75,6 +76,20 @@ def connect(path: str | Path, *, create: bool = True) -> sqlite_utils.Database:
     if mode.lower() != "wal":
         raise StoreError(f"memory database {path} refused WAL mode (journal_mode is {mode}); is it on a network drive?")
     return sqlite_utils.Database(conn, execute_plugins=False)
+
+
+def _set_wal(conn: sqlite3.Connection) -> str:
+    """Switch to WAL, retrying while another connection holds the lock: on a new file the switch can fail at
+    once with "database is locked" without waiting on the busy timeout (several processes opening a fresh
+    memory together), so it is retried here for up to BUSY_TIMEOUT_S."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 @contextmanager
