@@ -179,6 +179,27 @@ def test_toasts_of_rich_text_and_markup_characters_render_without_crashing(ws):
     run(go())
 
 
+def test_the_launch_dialog_keeps_its_buttons_on_an_80x24_terminal(ws, monkeypatch):
+    """With the LLM note at its longest (no endpoint configured) the dialog still shows Launch and Cancel on
+    an 80x24 terminal: the note and the direction list give up rows first, and get them back when taller."""
+    monkeypatch.delenv("SPECPILOT_LLM_BASE_URL", raising=False)
+
+    async def go():
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=(80, 24)) as pilot:
+            screen = await open_launch(pilot, app)
+            await pilot.pause(0.3)
+            assert screen.has_class("short")
+            for button in ("#ok", "#cancel"):
+                region = screen.query_one(button).region
+                assert region.height > 0 and region.bottom <= 24, (button, region)
+            await pilot.resize_terminal(120, 40)
+            await pilot.pause(0.3)
+            assert not screen.has_class("short")
+
+    run(go())
+
+
 def test_forcing_navigation_between_mismatches(ws):
     from workbench.tui.widgets import ForcingPane
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -122,6 +123,10 @@ class LaunchScreen(ModalScreen[tuple[str, str] | None]):
         ol = self.query_one(OptionList)
         ol.highlighted = 0
         ol.focus()
+        self.on_resize()
+
+    def on_resize(self, event: events.Resize | None = None) -> None:
+        self.set_class(self.app.size.height < 30, "short")  # keep the buttons on an 80x24 terminal
 
     def result(self) -> tuple[str, str] | None:
         ol = self.query_one(OptionList)
