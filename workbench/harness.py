@@ -416,6 +416,9 @@ class SystemProcess:
             raise self._dead("while sending a request") from None
         ans = self._get(self.limits.request_s, f"request {rid}")
         seconds = time.perf_counter() - t0
+        if self._over_memory():  # the watcher samples; an answer is only taken with the tree under the limit
+            self.kill("memory")
+            raise self._dead(f"at the answer to request {rid}")
         if ans.get("id") != rid:
             self.kill("protocol")
             raise SystemCrash("protocol", f"answer for id {ans.get('id')!r} when {rid} was expected")
@@ -484,13 +487,19 @@ class SystemProcess:
                 self._lines.put(obj)
         self._lines.put(None)
 
+    def _over_memory(self) -> bool:
+        """Measure the process tree now (resident memory plus, sandboxed, its RAM-backed files) and
+        say whether it, or any earlier sample, passed the limit."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.peak_rss > self.limits.memory_mb * 2**20
+        pids = _tree(self.proc.pid)
+        rss = _tree_rss(pids) + (_sandbox_tmpfs_bytes(pids) if self.sandboxed else 0)
+        self.peak_rss = max(self.peak_rss, rss)
+        return self.peak_rss > self.limits.memory_mb * 2**20
+
     def _watch(self) -> None:
-        limit = self.limits.memory_mb * 2**20
         while self.proc is not None and self.proc.poll() is None:
-            pids = _tree(self.proc.pid)
-            rss = _tree_rss(pids) + (_sandbox_tmpfs_bytes(pids) if self.sandboxed else 0)
-            self.peak_rss = max(self.peak_rss, rss)
-            if rss > limit:
+            if self._over_memory():
                 self.kill("memory")
                 return
             time.sleep(0.05)
