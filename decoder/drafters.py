@@ -11,6 +11,7 @@ import torch
 
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.runners import LAZY_REFEED, as_runner, rollback
+from decoder.verify import argmax_tokens
 
 
 class Drafter(Proposer):
@@ -69,7 +70,7 @@ class DraftModelDrafter(Drafter):
                 nxt = torch.multinomial(p, 1, generator=self.generator).view(1)  # [1]
                 probs.append(p)
             else:
-                nxt = logits.argmax(dim=-1)  # [1]
+                nxt = argmax_tokens(logits)  # [1]
             drafted.append(nxt)
             inp = nxt
         # The cache now holds tokens + drafted[:-1]; the last draft was never fed.

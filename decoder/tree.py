@@ -37,6 +37,7 @@ import torch
 from decoder.config import DecodeConfig, parse_tree_shape
 from decoder.lean import LeanCache, LeanLM
 from decoder.proposer import Draft, Proposer, Verdict
+from decoder.verify import argmax_tokens
 
 
 @dataclass
@@ -87,7 +88,7 @@ def greedy_tree_accept(logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     logits: [1 + N, V] at (root, nodes). Returns one tensor [2 + 2N] = (n, bonus, path [N], path_tokens [N]):
     the first n entries of `path` are the accepted nodes in depth order (the rest is padding N).
     """
-    return accept_on_pred(logits.argmax(dim=-1), tree)
+    return accept_on_pred(argmax_tokens(logits), tree)
 
 
 def accept_on_pred(pred: torch.Tensor, tree: DraftTree) -> torch.Tensor:
@@ -126,7 +127,7 @@ def read_tree_result(out: list[int], m: int) -> tuple[int, list[int], list[int],
 def tree_accept(logits: torch.Tensor, tree: DraftTree) -> tuple[int, list[int], list[int], list[int]]:
     """Greedy acceptance of a verified tree (logits [1 + N, V] at root and nodes) with the step's one
     device-to-host copy: read_tree_result's tuple."""
-    return read_tree_result(tree_result(logits.argmax(dim=-1), tree).tolist(), tree.size)
+    return read_tree_result(tree_result(argmax_tokens(logits), tree).tolist(), tree.size)
 
 
 class TreeDrafter(Proposer):

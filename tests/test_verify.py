@@ -2,7 +2,7 @@
 
 import torch
 
-from decoder.verify import greedy_accept, rejection_accept
+from decoder.verify import argmax_tokens, greedy_accept, rejection_accept
 
 # chi-square critical values at p = 0.001 (fixed seeds make the tests deterministic; the bound
 # guards against a rule that is wrong by more than sampling noise).
@@ -90,3 +90,27 @@ def test_a_biased_rule_fails_the_same_check():
     for _ in range(20000):
         counts[torch.multinomial(q[0], 1, generator=g)[0]] += 1  # "accept everything"
     assert _chi2(counts, torch.softmax(p_logits[0] / 0.8, -1)) > CHI2_001[7]
+
+
+def test_greedy_bf16_exact_ties_take_the_first_index():
+    """bf16 logits with exact ties at the maximum (near, far apart, at both ends of a 6144 vocabulary):
+    greedy_accept's argmax runs through float32 on the CPU and still takes the first tied index."""
+    vocab = 6144
+    ties = [[5, 6], [3, 4000], [0, vocab - 1], [17, 18, 19, 6000], [6143 - 8, 6143]]
+    logits = torch.randn(len(ties), vocab).clamp(-3, 3).to(torch.bfloat16)
+    for row, idx in enumerate(ties):
+        logits[row, idx] = 4.0  # exact in bf16, above every other entry
+    first = [min(idx) for idx in ties]
+    draft = torch.tensor(first[:-1])
+    out = greedy_accept(logits, draft).tolist()
+    assert out == [len(ties) - 1, *first]
+    assert out[1:] == logits.argmax(-1).tolist() == argmax_tokens(logits).tolist()  # the bf16 reference path
+
+
+def test_argmax_tokens_matches_bf16_argmax_on_coarse_logits():
+    """Many ties everywhere (logits rounded to a few bf16 values): same indices as the bf16 argmax."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(17, 6144, generator=g) * 2).round().clamp(-4, 4).to(dtype)
+        assert argmax_tokens(logits).tolist() == logits.argmax(-1).tolist()
+        assert argmax_tokens(logits).dtype == torch.int64
