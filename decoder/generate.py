@@ -23,7 +23,7 @@ from decoder.profiler import DecodeStats, PhaseTimer
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.runners import LAZY_REFEED, HFRunner, as_runner, crop_cache, rollback  # noqa: F401 (re-exported)
 from decoder.tree import TreeDrafter, TwoLevelDrafter, tree_accept, tree_attention_mask, tree_positions
-from decoder.verify import greedy_accept, rejection_accept, sample_from_logits
+from decoder.verify import argmax_tokens, greedy_accept, rejection_accept, sample_from_logits
 
 
 @dataclass
@@ -44,7 +44,7 @@ def _finish(new: list[int], cfg: DecodeConfig, eos_id: int | None) -> tuple[list
 def _select(logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generator | None) -> torch.Tensor:
     if cfg.temperature > 0:
         return sample_from_logits(logits, cfg.temperature, generator)
-    return logits.argmax(dim=-1)
+    return argmax_tokens(logits)
 
 
 def _eos_id(model) -> int | None:
