@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoder.config import FEATURE_DRAFTERS, DecodeConfig, verify_width
+from decoder.config import FEATURE_DRAFTERS, DecodeConfig, scheduled_draft_len, verify_width
 from decoder.drafters import NgramDrafter
 from decoder.generate import make_proposer
 from decoder.lean import LeanLM
@@ -438,13 +438,15 @@ class BatchEngine:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _draft_lens(self, slots: list, live: list[int], proposals: dict[int, int]) -> list[int]:
+    def _draft_lens(self, slots: list, live: list[int], proposals: dict[int, int], k_load: int) -> list[int]:
         cfg = self.cfg
         caps = []
         for i in live:
             s = slots[i]
             remaining = cfg.max_new_tokens - (len(s.tokens) - s.prompt_len)
-            depth = (s.proposer.depth if s.proposer is not None else None) or cfg.draft_len
+            depth = (s.proposer.depth if s.proposer is not None else None) or k_load
+            if cfg.load_schedule:  # the schedule's length for this load caps a proposer's own depth too
+                depth = min(depth, k_load)
             cap = min(depth, remaining - 1) if cfg.method == "sd" else 0
             caps.append(min(cap, proposals[i]) if i in proposals else max(cap, 0))
         if not cfg.load_aware_draft:
@@ -461,13 +463,16 @@ class BatchEngine:
         rect = live if cfg.ragged_verify else [i for i, s in enumerate(slots) if s is not None]
         R = len(rect)
         pos_of = {si: r for r, si in enumerate(rect)}
+        # The load schedule's draft length for this many live requests (0: an AR step), else draft_len.
+        k_load = scheduled_draft_len(cfg, len(live))
+        k_load = cfg.draft_len if k_load is None else k_load
         proposals: dict[int, list[int]] = {}
-        if cfg.method == "sd" and cfg.drafter == "ngram":
+        if cfg.method == "sd" and cfg.drafter == "ngram" and k_load > 0:
             for i in live:  # asked for what the step can take, as the single-request loop asks
                 s = slots[i]
                 remaining = cfg.max_new_tokens - (len(s.tokens) - s.prompt_len)
-                proposals[i] = s.ngram.lookup(s.tokens, max(1, min(cfg.draft_len, remaining - 1)))
-        lens = self._draft_lens(slots, live, {i: len(p) for i, p in proposals.items()})
+                proposals[i] = s.ngram.lookup(s.tokens, max(1, min(k_load, remaining - 1)))
+        lens = self._draft_lens(slots, live, {i: len(p) for i, p in proposals.items()}, k_load)
         k_of = dict.fromkeys(rect, 0)
         k_of.update(zip(live, lens, strict=True))
         drafts: dict[int, Draft] = {}

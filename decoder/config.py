@@ -43,6 +43,36 @@ def parse_tree_shape(shape: str) -> tuple[int, ...] | None:
     return widths
 
 
+def parse_load_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """`""` -> (); `"1:4,8:2,16:0"` -> ((1, 4), (8, 2), (16, 0)): from each batch size on (live requests
+    in one step), the draft length to use until the next entry; 0 = no speculation (a plain AR step).
+
+    Raises ValueError naming the bad part; DecodeConfig.validate turns it into a ConfigError.
+    """
+    if not text.strip():
+        return ()
+    out = []
+    for part in text.split(","):
+        try:
+            b, k = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not BATCH:DRAFT_LEN; write e.g. '1:4,8:2,16:0'") from None
+        if not 1 <= b <= 4096 or not 0 <= k <= 32:
+            raise ValueError(f"{part.strip()!r}: batch sizes run 1 to 4096, draft lengths 0 to 32")
+        out.append((b, k))
+    if [b for b, _ in out] != sorted({b for b, _ in out}) or out[0][0] != 1:
+        raise ValueError("batch sizes must rise strictly and start at 1, e.g. '1:4,8:2,16:0'")
+    return tuple(out)
+
+
+def scheduled_draft_len(cfg: DecodeConfig, live: int) -> int | None:
+    """The load schedule's draft length for a step over `live` requests; None without a schedule."""
+    sched = parse_load_schedule(cfg.load_schedule)
+    if not sched:
+        return None
+    return next(k for b, k in reversed(sched) if b <= max(1, live))
+
+
 def static_tree_nodes(widths: tuple[int, ...]) -> int:
     """Nodes (root excluded) of a static tree with `widths` children per node at each depth."""
     total, level = 0, 1
@@ -133,6 +163,8 @@ class DecodeConfig:
     load_aware_draft: bool = False  # mechanism load-aware-drafting: per-request k from batch load and acceptance
     load_aware_fixed_rows: int = 64  # its cost model: a forward's fixed cost in target rows (weights read, overhead)
     continuous_batching: bool = False  # mechanism continuous-batching: finished requests leave, new ones join
+    # Mechanism load-schedule: "1:4,8:2,16:0" = draft length per load (live requests in a step; 0 = AR step).
+    load_schedule: str = ""
     # Mechanisms tree-verify and two-level-verify (decoder/tree.py), d-cut (decoder/dcut.py); off in stock.
     verify: str = "chain"  # "chain" (stock), "tree" (one forward over a draft tree), "two-level"
     tree_shape: str = "dynamic"  # "dynamic" (EAGLE-2 expansion by cumulative confidence) or "4,2,1,1"
@@ -183,6 +215,10 @@ class DecodeConfig:
             raise bad("load_aware_fixed_rows", "use 1 to 4096 (target rows one forward's fixed cost is worth)")
         if self.load_aware_draft and self.method != "sd":
             raise bad("load_aware_draft", "it chooses draft lengths; set method = \"sd\" or turn it off")
+        try:
+            parse_load_schedule(self.load_schedule)
+        except ValueError as e:
+            raise bad("load_schedule", str(e)) from None
         if self.verify not in VERIFY_MODES:
             raise bad("verify", f"choose one of {', '.join(VERIFY_MODES)}")
         try:

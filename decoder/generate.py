@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder.capabilities import Unsupported, check  # noqa: F401 (Unsupported re-exported)
-from decoder.config import FEATURE_DRAFTERS, DecodeConfig
+from decoder.config import FEATURE_DRAFTERS, DecodeConfig, scheduled_draft_len
 from decoder.dcut import DCutDrafter
 from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.lean import LeanLM, StaticLeanLM
@@ -231,6 +231,10 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
     `heads` (decoder.featdraft.FeatureHeads) holds the target's block drafter, MTP heads and router,
     needed for drafter = block, mtp or routed.
     """
+    k_load = scheduled_draft_len(cfg, 1) if cfg.method == "sd" else None
+    if k_load is not None:  # the load schedule at one request: its draft length, or (0) plain AR
+        cfg = dataclasses.replace(cfg, draft_len=k_load) if k_load else dataclasses.replace(
+            cfg, method="ar", load_aware_draft=False)
     drafter_cfg = drafter_model.config if drafter_model is not None and cfg.drafter == "draft-model" else None
     check(cfg, target.config, drafter_cfg)  # one line before any work when this model cannot run cfg
     if cfg.method == "sd" and cfg.drafter == "routed":

@@ -98,6 +98,17 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
                 "one forward), so the batch never waits for its slowest request",
     ),
     Mechanism(
+        name="load-schedule", family="batching",
+        keys={"load_schedule": ("", "1:4,8:2,16:0", "1:3,4:2,8:1,16:0", "1:4,4:1,8:0", "1:3,8:0", "1:4,2:2,4:0")},
+        stock={"load_schedule": ""},
+        applies="batched serving where speculation pays at low load and costs at high load (every verified "
+                "row costs target compute once the batch fills the hardware)",
+        summary="draft length per load (live requests in a step; 0 = a plain AR step), read by the single-request "
+                "loop at B = 1 and the batched engine every step; the tuner measures each batch size of the "
+                "deployment's load and writes the best length per point",
+        requires={"method": "sd"},
+    ),
+    Mechanism(
         name="tree-verify", family="acceptance",
         keys={"verify": ("chain", "tree"), "tree_shape": ("dynamic", "2,2,1,1", "3,2,1,1", "4,2,1,1", "2,2,2,1,1"),
               "tree_topk": (2, 3, 4, 6, 8), "tree_depth": (3, 4, 5, 6, 8), "tree_budget": (8, 12, 16, 24, 32, 48)},

@@ -10,6 +10,9 @@ one JSON object per line:
     optional: "config": {DecodeConfig keys} overrides the config for this request (a tuner's sweep;
               dtype and device stay as loaded); "profile": true adds "stats" (phase seconds, target
               forwards, drafted and accepted tokens) as the system reports them about itself
+    batched:  {"id": 8, "batch": [[..], [..]], "max_new_tokens": 64}  all requests arrive at once and
+              are decoded together by the batched engine (decoder/batch.py), as a server under that load does
+    answer:   {"id": 8, "outputs": [[..], [..]]}  (new tokens per request, in order)
     request:  {"op": "quit"}                   (or end of input) ends the server
 
 Answers go to the original stdout; anything the system prints goes to stderr instead, so a stray
@@ -27,6 +30,8 @@ import sys
 from pathlib import Path
 
 from decoder.config import ConfigError, DecodeConfig
+
+MAX_BATCH = 256  # requests in one batched request
 
 
 def _answer(out, obj: dict) -> None:
@@ -75,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     heads = FeatureHeads(args.drafters or drafters_dir(args.target), target.config, torch_dtype(cfg.dtype),
                          next(target.parameters()).device)
     positions = getattr(target.config, "max_position_embeddings", None)
+    from decoder.batch import BatchEngine, BatchLM, Request
+
+    lean_of: dict[int, BatchLM] = {}
+
+    def batched(model) -> BatchLM:  # built on first use and kept: fusing the projections copies every weight
+        if id(model) not in lean_of:
+            lean_of[id(model)] = BatchLM(model)
+        return lean_of[id(model)]
+
     _answer(proto, {"ready": True, "config": cfg.as_dict()})
 
     for line in sys.stdin:
@@ -86,7 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             if req.get("op") == "quit":
                 break
             rid = req.get("id")
-            prompt = [int(t) for t in req["prompt_ids"]]
+            batch = req.get("batch")
+            if batch is not None:
+                if not isinstance(batch, list) or not batch or len(batch) > MAX_BATCH:
+                    raise ValueError(f"batch must be a list of 1 to {MAX_BATCH} prompts")
+                prompts = [[int(t) for t in ids] for ids in batch]
+            else:
+                prompts = [[int(t) for t in req["prompt_ids"]]]
+            prompt = max(prompts, key=len)
             n = int(req["max_new_tokens"])
             over = dict(req.get("config") or {})
             for fixed in ("dtype", "device", "max_new_tokens"):  # as loaded / as requested
@@ -101,10 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if rcfg.method == "sd" and rcfg.drafter == "draft-model" and drafter is None:
                 raise ConfigError("the draft-model drafter needs --drafter at start-up")
-            gen = generate(rcfg, target, prompt, drafter, heads=heads)
-            ans = {"id": rid, "tokens": gen.tokens}
+            if batch is not None:
+                run = BatchEngine(batched(target), rcfg, len(prompts), batched(drafter) if drafter else None,
+                                  heads=heads).run([Request(ids, 0.0, i) for i, ids in enumerate(prompts)])
+                ans = {"id": rid, "outputs": [r.tokens for r in run.results]}
+                stats = run.stats
+            else:
+                gen = generate(rcfg, target, prompt, drafter, heads=heads)
+                ans, stats = {"id": rid, "tokens": gen.tokens}, gen.stats
             if req.get("profile"):
-                ans["stats"] = gen.stats.as_dict()  # the DecodeStats record, as the loop counted it
+                ans["stats"] = stats.as_dict()  # the DecodeStats record, as the loop counted it
             _answer(proto, ans)
         except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
             _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})

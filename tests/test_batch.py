@@ -43,7 +43,7 @@ def test_bad_batching_values_name_key_and_value(kwargs, needle):
 
 def test_batching_mechanisms_in_registry_with_stock_values():
     batching = {n: m for n, m in REGISTRY.items() if m.family == "batching"}
-    assert set(batching) == {"ragged-verify", "load-aware-drafting", "continuous-batching"}
+    assert set(batching) == {"ragged-verify", "load-aware-drafting", "continuous-batching", "load-schedule"}
     stock = DecodeConfig()
     for m in batching.values():
         for key, value in m.stock.items():

@@ -3,8 +3,10 @@
     guard    uncommitted changes or a protected path touched   -> rejected (nothing runs)
     smoke    the system starts and answers one short request   -> crash
     forcing  every position of every forcing prompt vs stock   -> discard (unexplained mismatch) / crash
-    bench    paired benchmark against the round's base         -> rejected (a timed output is not stock's:
-                                                                  checked like forcing, every pass)
+    bench    paired benchmark against the round's base at every  -> rejected (a timed output is not stock's:
+             point of the load (batch sizes; a batch is timed      checked like forcing, every pass)
+             as one batched request)                             / discard (slower than LOAD_FLOOR of the
+                                                                  base at any point of the load)
                                                                   / discard (no gain beyond the noise: a CI
                                                                   above 1 and a speedup past min_gain and
                                                                   the keep threshold of `noise_floor`, twice:
@@ -27,7 +29,7 @@ from pathlib import Path
 from costmodel.ceiling import plausible
 from workbench.forcing import force, run_system, stock_reference, timed_output_problem
 from workbench.harness import SystemCrash
-from workbench.measure import PairResult, TimedOutputWrong, load_prompts, paired_bench
+from workbench.measure import LOAD_FLOOR, LoadResult, TimedOutputWrong, load_prompts, paired_bench
 from workbench.progress import step
 from workbench.workspace import NOISE_MARGIN, NOISE_PAIRS, Workspace
 
@@ -41,6 +43,7 @@ class Attempt:
     speedup: float | None = None  # over the round's base
     speedup_over_ar: float | None = None
     ci95: list[float] | None = None
+    points: dict[str, float] | None = None  # speedup over the base per batch size of the load (several points)
 
 
 def smoke_run(ws: Workspace, worktree: Path, label: str) -> tuple[bool, str]:
@@ -67,6 +70,19 @@ def bench_cpus(ws: Workspace) -> set[int] | None:
     return {int(c) for c in cpus} if cpus else None
 
 
+def paired_load(ws: Workspace, a_wt: Path, a_log: str, b_wt: Path, b_log: str, *, label: str = "bench",
+                check_b: Callable[[str, list[int]], str | None] | None = None) -> LoadResult:
+    """B's system against A's, each started once, paired at every batch size of the deployment's load."""
+    points = ws.config.batch_sizes
+    out = {}
+    with run_system(ws, a_wt, a_log) as a, run_system(ws, b_wt, b_log) as b:
+        for bs in points:
+            out[bs] = paired_bench(a, b, timing_prompts(ws), ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws),
+                                   label=label if len(points) == 1 else f"{label} B={bs}", check_b=check_b,
+                                   batch=bs)
+    return LoadResult(out)
+
+
 def noise_floor(ws: Workspace, base: str, *, progress: Callable[[str], None] | None = None) -> dict:
     """What a change that does nothing measures: the base against itself in `noise_pairs` fresh
     process pairs (the paired benchmark's own interval misses what differs between processes and over
@@ -80,16 +96,16 @@ def noise_floor(ws: Workspace, base: str, *, progress: Callable[[str], None] | N
     pairs = max(1, int(ws.config.bench.get("noise_pairs", NOISE_PAIRS)))
     margin = float(ws.config.bench.get("noise_margin", NOISE_MARGIN))
     wt = ws.detached_worktree("_base", base)
-    prompts = timing_prompts(ws)
     runs = []
     for i in range(pairs):
         if progress:
             progress(f"  noise floor: the base against itself, pair {i + 1}/{pairs}")
-        with run_system(ws, wt, f"noise-{i}a") as a, run_system(ws, wt, f"noise-{i}b") as b:
-            res = paired_bench(a, b, prompts, ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws),
-                               label=f"noise {i + 1}/{pairs}")
-        runs.append({"speedup": res.speedup, "ci95": [res.ci_low, res.ci_high], "passes": res.passes})
-    noise = max(abs(r["speedup"] - 1.0) for r in runs)
+        res = paired_load(ws, wt, f"noise-{i}a", wt, f"noise-{i}b", label=f"noise {i + 1}/{pairs}")
+        runs.append({"speedup": res.speedup, "ci95": [res.ci_low, res.ci_high], "passes": res.first.passes,
+                     **({"points": _points(res)} if len(res.points) > 1 else {})})
+    # Every point's deviation counts: the aggregate of a change that does nothing may hide one point's noise.
+    noise = max(max(abs(r["speedup"] - 1.0), *(abs(v - 1.0) for v in (r.get("points") or {}).values()))
+                for r in runs)
     out = {"base": base, "pairs": pairs, "margin": margin, "noise": noise, "keep_threshold": 1.0 + margin * noise,
            "runs": runs, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_avg": os.getloadavg()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,14 +151,14 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     say(f"  {branch}: paired benchmark against the base")
     ref = stock_reference(ws, progress=False)
 
-    def bench(label: str) -> tuple[PairResult | None, Attempt | None]:
-        """One paired benchmark in fresh processes, its timed outputs checked against stock."""
+    def bench(label: str) -> tuple[LoadResult | None, Attempt | None]:
+        """One paired benchmark in fresh processes at every point of the load, its timed outputs checked
+        against stock."""
         step(label, detail="starting both systems")
         try:
-            with run_system(ws, ws.detached_worktree("_base", base), "base") as a, \
-                    run_system(ws, ws.worktree_path(branch), f"bench-{branch}") as c:
-                res = paired_bench(a, c, timing_prompts(ws), ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws),
-                                   label=label, check_b=lambda pid, toks: timed_output_problem(ref, pid, toks))
+            res = paired_load(ws, ws.detached_worktree("_base", base), "base", ws.worktree_path(branch),
+                              f"bench-{branch}", label=label,
+                              check_b=lambda pid, toks: timed_output_problem(ref, pid, toks))
         except SystemCrash as e:
             return None, stage("bench", "rejected" if e.kind == "cheat" else "crash", f"{e.kind}: {e.reason}")
         except TimedOutputWrong as e:  # stopped at the first wrong answer: no speed is measured for it
@@ -153,11 +169,15 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     if ended is not None:
         return ended
     metrics = res.as_dict()
-    over_ar = base_speedup_over_ar * res.speedup
+    over_ar = base_speedup_over_ar * res.first.speedup  # the ceiling and the base's ratio are the first point's
     fine, why = plausible(over_ar, ceiling)
-    kw = {"speedup": res.speedup, "speedup_over_ar": over_ar, "ci95": [res.ci_low, res.ci_high]}
+    kw = {"speedup": res.speedup, "speedup_over_ar": over_ar, "ci95": [res.ci_low, res.ci_high],
+          "points": _points(res)}
     if not fine:
         return stage("bench", "rejected", f"implausible: {why}", metrics, **kw)
+    if len(res.points) > 1 and res.worst[1] < LOAD_FLOOR:
+        return stage("bench", "discard", f"slower at B = {res.worst[0]}: {res.line()} (a kept change is >= "
+                                         f"{LOAD_FLOOR}x of the base at every batch size of the load)", metrics, **kw)
     if res.speedup < min_gain or res.ci_low <= 1.0:
         return stage("bench", "discard", f"no gain beyond the noise: {res.line()} (needs >= {min_gain:.2f}x and a "
                                          f"CI above 1)", metrics, **kw)
@@ -175,12 +195,19 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     if ended is not None:
         return ended
     metrics["confirm"] = again.as_dict()
-    if again.speedup < keep_at or again.ci_low <= 1.0:
+    if again.speedup < keep_at or again.ci_low <= 1.0 or (len(again.points) > 1 and again.worst[1] < LOAD_FLOOR):
         return stage("bench", "discard", f"not reproduced: {res.line()}, then {again.line()} in fresh processes "
-                                         f"(needs >= {keep_at:.3f}x and a CI above 1 both times)", metrics, **kw)
+                                         f"(needs >= {keep_at:.3f}x and a CI above 1 both times"
+                                         f"{f', >= {LOAD_FLOOR}x at every batch size' if len(res.points) > 1 else ''})",
+                     metrics, **kw)
     low = min((res, again), key=lambda r: r.speedup)
-    over_ar = base_speedup_over_ar * low.speedup
-    kw = {"speedup": low.speedup, "speedup_over_ar": over_ar, "ci95": [low.ci_low, low.ci_high]}
+    over_ar = base_speedup_over_ar * low.first.speedup
+    kw = {"speedup": low.speedup, "speedup_over_ar": over_ar, "ci95": [low.ci_low, low.ci_high],
+          "points": _points(low)}
     return stage("bench", "keep", f"{low.line()} over the base, reproduced ({res.speedup:.3f}x and "
                                   f"{again.speedup:.3f}x; keep threshold {keep_at:.3f}x), {over_ar:.2f}x over AR; "
                                   f"forcing clean", metrics, **kw)
+
+
+def _points(res: LoadResult) -> dict[str, float] | None:
+    return {str(b): r.speedup for b, r in sorted(res.points.items())} if len(res.points) > 1 else None

@@ -24,9 +24,10 @@ from costmodel.hardware import (
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
 from decoder.config import verify_width
-from workbench.cascade import bench_cpus, timing_prompts
+from decoder.stats import DecodeStats
+from workbench.cascade import paired_load
 from workbench.forcing import run_system
-from workbench.measure import load_prompts, paired_bench, profile_entry
+from workbench.measure import load_prompts, profile_entry
 from workbench.workspace import Workspace, WorkspaceError
 
 Say = Callable[..., None]  # say(message, kind="loop", payload=None): progress line and ledger event
@@ -124,18 +125,63 @@ def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile) -> dict:
     with run_system(ws, wt, "profile") as sp:
         sp.generate(prompts[0].ids, 4)
         entry = profile_entry(sp, prompts, ws.config.forcing_max_new_tokens, draft_len)
+        loads = {bs: _load_profile(sp, prompts, bs, ws.config.forcing_max_new_tokens)
+                 for bs in ws.config.batch_sizes if bs > 1}
     context = int(sum(len(p.ids) for p in prompts) / len(prompts))
     bd = measured_gaps(entry, hw, load_model_profile(ws.config.target), context, num_prompts=len(prompts))
-    return {"entry": entry.as_dict(), "breakdown": bd.as_dict()}
+    out = bd.as_dict()
+    for bs, lp in loads.items():  # what speculation costs under each batched point of the load: family batching
+        for name, ms in ((f"drafting under load (B = {bs})", lp["draft_ms_per_token"]),
+                         (f"rejected verify rows under load (B = {bs})", lp["rejected_rows_ms_per_token"])):
+            out["gaps"].append({"name": name, "family": "batching", "ms_per_token": round(ms, 6),
+                                "could_save": True})
+            out["families"]["batching"] = round(out["families"].get("batching", 0.0) + ms, 6)
+    if loads:
+        out["gaps"].sort(key=lambda g: -g["ms_per_token"])
+        out["load"] = {str(bs): lp for bs, lp in loads.items()}
+        out["notes"] = [*out.get("notes", []), "gaps under load (family batching) come from a batched profile of "
+                        "the system at each batch size > 1 of the load; they are not part of the B = 1 total"]
+    return {"entry": entry.as_dict(), "breakdown": out}
+
+
+def _load_profile(sp, prompts: list, bs: int, n: int) -> dict:
+    """One batch of `bs` prompts through the system's batched engine, timed by the harness: its time per
+    token and the system's phases (scaled to that time): drafting, and the verify time spent on rows that
+    were rejected (verify time x rejected rows / verified rows)."""
+    batch = [prompts[j % len(prompts)].ids for j in range(bs)]
+    sp.generate_batch(batch, 4)  # warm the batched engine (its lean forward is built on first use)
+    r = sp.generate_batch(batch, n, profile=True)
+    st = DecodeStats.from_dict(r.stats or {})
+    tokens = sum(len(o) for o in r.outputs)
+    phases = dict(st.phase_s)
+    scale = r.seconds / sum(phases.values()) if sum(phases.values()) > 0 else 1.0
+    ms = {k: 1000.0 * v * scale / max(tokens, 1) for k, v in phases.items()}
+    rows = st.drafted + st.target_forwards
+    rejected = (st.drafted - st.accepted) / rows if rows else 0.0
+    return {"ms_per_token": 1000.0 * r.seconds / max(tokens, 1), "tokens": tokens, "seconds": r.seconds,
+            "draft_ms_per_token": ms.get("draft", 0.0),
+            "rejected_rows_ms_per_token": ms.get("verify", 0.0) * rejected,
+            "acceptance_rate": st.accepted / st.drafted if st.drafted else None, "drafted": st.drafted}
 
 
 def speedup_over_ar(ws: Workspace, ar_commit: str, commit: str, label: str, say: Say) -> dict:
     """A paired benchmark of `commit` against the AR reference `ar_commit`, on the prompts the cascade times."""
     ar_wt = ws.detached_worktree("_ar", ar_commit)
     wt = ws.detached_worktree("_measure", commit)
-    with run_system(ws, ar_wt, "ar") as a, run_system(ws, wt, label) as b:
-        res = paired_bench(a, b, timing_prompts(ws), ws.config.forcing_max_new_tokens, cpus=bench_cpus(ws))
-    out = {"commit": commit, **res.as_dict()}
-    say(f"{label}: {res.line()} over AR ({res.b_tokens_per_s:.1f} vs {res.a_tokens_per_s:.1f} tok/s)",
-        "loop.measure", {"label": label, **out})
+    res = paired_load(ws, ar_wt, "ar", wt, label, label=label)
+    out = {"commit": commit, **res.as_dict(), "ar": ar_name(1)}
+    if len(res.points) > 1:  # each point divides by the same engine's AR at that load
+        for bs, d in out["points"].items():
+            d["ar"] = ar_name(int(bs))
+    rates = "; ".join(f"B={bs} {r.b_tokens_per_s:.1f} vs {r.a_tokens_per_s:.1f} tok/s"
+                      for bs, r in sorted(res.points.items()))
+    say(f"{label}: {res.line()} over AR ({rates})", "loop.measure", {"label": label, **out})
     return out
+
+
+def ar_name(batch: int) -> str:
+    """What a speedup over AR at this batch size divides by."""
+    if batch == 1:
+        return "AR: stock's system with method = ar, one request at a time (the loop's reference-ar branch)"
+    return (f"batched AR: stock's system with method = ar, {batch} requests at once in its batched engine "
+            f"(the loop's reference-ar branch)")

@@ -169,6 +169,43 @@ def _force_prompt(sp: SystemProcess, fp: dict, cap: int, tok) -> tuple[list[dict
     return mismatches, pos, first_s, first_tokens, restarts
 
 
+def _force_batched(sp: SystemProcess, prompts: list[dict], bs: int, cap: int, tok) -> tuple[list[dict], int]:
+    """Forcing under load: the prompts go `bs` at a time to the system's batched engine; a request that
+    diverges is asked again, from the prompt plus stock's tokens through the divergence, in a later batch
+    that is filled to `bs` requests with other prompts (their outputs unused) so every step runs at this
+    load. Returns the mismatches (each with "batch") and the positions checked."""
+    pos = {fp["id"]: 0 for fp in prompts}
+    count = dict.fromkeys(pos, 0)
+    mismatches: list[dict] = []
+    pending = list(prompts)
+    while pending:
+        for i in range(0, len(pending), bs):
+            chunk = pending[i:i + bs]
+            fill = chunk + [prompts[j % len(prompts)] for j in range(bs - len(chunk))]
+            ids = [fp["prompt_ids"] + fp["stock"][:pos[fp["id"]]] if k < len(chunk) else fp["prompt_ids"]
+                   for k, fp in enumerate(fill)]
+            want = max(len(fp["stock"]) - pos[fp["id"]] for fp in chunk)
+            outs = sp.generate_batch(ids, max(1, want)).outputs
+            for fp, out in zip(chunk, outs, strict=False):
+                stock, at0 = fp["stock"], pos[fp["id"]]
+                out = out[: len(stock) - at0]
+                bad = next((j for j, t in enumerate(out) if t != stock[at0 + j]), None)
+                if bad is None and len(out) == len(stock) - at0:
+                    pos[fp["id"]] = len(stock)
+                    continue
+                j = bad if bad is not None else len(out)
+                at, cand = at0 + j, (out[j] if bad is not None else None)
+                mismatches.append({"prompt_id": fp["id"], "split": fp["split"], "position": at, "batch": bs,
+                                   "stock_token": stock[at], "candidate_token": cand,
+                                   "stock_text": tok.decode([stock[at]]),
+                                   "candidate_text": tok.decode([cand]) if cand is not None else "<end of output>",
+                                   "margin": fp["margins"][at] if at < len(fp["margins"]) else None})
+                pos[fp["id"]] = at + 1
+                count[fp["id"]] += 1
+        pending = [fp for fp in pending if pos[fp["id"]] < len(fp["stock"]) and count[fp["id"]] < cap]
+    return mismatches, sum(pos.values())
+
+
 def force(ws: Workspace, branch: str, *, progress: bool = True, record: bool = True) -> dict:
     """Token-force a branch against stock (see `_force`); a harness error leaves the branch in status error."""
     b = ws.branch(branch)
@@ -219,6 +256,7 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
     checked = restarts = first_tokens = 0
     first_s = 0.0
     truncated = []
+    batched: dict[str, dict] = {}
     t0 = time.perf_counter()
     sp = run_system(ws, ws.worktree_path(branch), branch)
     try:
@@ -238,6 +276,11 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
             split = per_split.setdefault(fp["split"], [0, 0])
             split[0] += pos
             split[1] += len(mm)
+        for bs in (b for b in ws.config.batch_sizes if b > 1):  # the load's batched points: same check
+            step(f"forcing B={bs}", detail=f"{len(ref['prompts'])} prompts, {bs} at a time")
+            mm, pos = _force_batched(sp, ref["prompts"], bs, cap, tok)
+            batched[str(bs)] = {"positions_checked": pos, "mismatches": len(mm)}
+            mismatches += mm
     except SystemCrash as e:
         report["sandbox"] = {"enabled": sp.sandboxed, "note": sp.sandbox_note}
         return finish("crash", f"{e.kind}: {e.reason}", None, {"kind": e.kind})
@@ -247,8 +290,11 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
     for m in mismatches:
         m["near_tie"] = near_tie(m["margin"], floor)
     unexplained = [m for m in mismatches if not m["near_tie"]]
+    for bs, d in batched.items():
+        d["unexplained"] = sum(1 for m in unexplained if m.get("batch") == int(bs))
+    single = sum(1 for m in mismatches if "batch" not in m)
     report.update({
-        "match_rate": (checked - len(mismatches)) / checked if checked else 0.0,
+        "match_rate": (checked - single) / checked if checked else 0.0, "batched": batched,
         "positions_checked": checked, "mismatches": mismatches,
         "unexplained": len(unexplained), "near_ties": len(mismatches) - len(unexplained),
         "noise_floor": floor, "near_tie_threshold": threshold,
@@ -261,16 +307,20 @@ def _force(ws: Workspace, branch: str, *, progress: bool, record: bool) -> dict:
                    "measured_by": "harness, outside the candidate process"},
         "seconds": time.perf_counter() - t0,
     })
+    batched_checked = sum(d["positions_checked"] for d in batched.values())
+    under_load = (f" and {batched_checked} under load (B = {', '.join(batched)})" if batched else "")
     if unexplained:
         m0 = unexplained[0]
-        reason = (f"{len(unexplained)} unexplained mismatch(es) in {checked} positions; first at "
-                  f"{m0['prompt_id']}:{m0['position']} (stock {m0['stock_text']!r}, candidate "
-                  f"{m0['candidate_text']!r}, margin {m0['margin']:.3g} >= {threshold:.3g})")
+        where = f"{m0['prompt_id']}:{m0['position']}" + (f" at B = {m0['batch']}" if "batch" in m0 else "")
+        margin = "unknown" if m0["margin"] is None else format(m0["margin"], ".3g")
+        reason = (f"{len(unexplained)} unexplained mismatch(es) in {checked} positions{under_load}; first at "
+                  f"{where} (stock {m0['stock_text']!r}, candidate "
+                  f"{m0['candidate_text']!r}, margin {margin} >= {threshold:.3g})")
         status = "discard"
     else:
         status = "keep"
-        reason = (f"lossless: {checked} positions, {len(mismatches)} near tie(s) below margin {threshold:.3g}"
-                  if mismatches else f"token-identical to stock on {checked} positions")
+        reason = (f"lossless: {checked} positions{under_load}, {len(mismatches)} near tie(s) below margin "
+                  f"{threshold:.3g}" if mismatches else f"token-identical to stock on {checked} positions{under_load}")
     if not sp.sandboxed:
         reason += " [NO SANDBOX]"
     return finish(status, reason, report, {"tokens_per_s": report["timing"]["tokens_per_s"]})

@@ -239,6 +239,17 @@ class Timed:
 
 
 @dataclass
+class TimedBatch:
+    outputs: list[list[int]]  # new tokens per request of the batch, in order
+    seconds: float  # measured by the harness around the whole batch
+    stats: dict | None = None
+
+
+def _int_list(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+@dataclass
 class SystemProcess:
     """One running system: start it, send generation requests, close it; raises SystemCrash on failure."""
 
@@ -399,10 +410,33 @@ class SystemProcess:
 
         `config` overrides DecodeConfig keys for this request; `profile` asks for the system's phase stats.
         """
+        ans, rid, seconds = self._request({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens},
+                                          config, profile)
+        toks = ans.get("tokens")
+        if not _int_list(toks):
+            self.kill("protocol")
+            raise SystemCrash("protocol", f"answer {rid} has no list of integer tokens")
+        stats = ans.get("stats") if isinstance(ans.get("stats"), dict) else None
+        return Timed(toks, seconds, stats)
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, *, config: dict | None = None,
+                       profile: bool = False) -> TimedBatch:
+        """`prompts` arriving at once, decoded together by the system's batched engine; timed like
+        `generate` around the whole batch (its throughput is what a server under this load delivers)."""
+        ans, rid, seconds = self._request({"batch": prompts, "max_new_tokens": max_new_tokens}, config, profile)
+        outs = ans.get("outputs")
+        if not isinstance(outs, list) or len(outs) != len(prompts) or not all(_int_list(o) for o in outs):
+            self.kill("protocol")
+            raise SystemCrash("protocol", f"answer {rid} has no list of {len(prompts)} integer token lists")
+        stats = ans.get("stats") if isinstance(ans.get("stats"), dict) else None
+        return TimedBatch(outs, seconds, stats)
+
+    def _request(self, body: dict, config: dict | None, profile: bool) -> tuple[dict, int, float]:
+        """Send one request, wait for its answer; (answer, id, seconds from writing to the whole answer)."""
         assert self.proc is not None, "start() first"
         self._next_id += 1
         rid = self._next_id
-        req: dict = {"id": rid, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}
+        req: dict = {"id": rid, **body}
         if config:
             req["config"] = config
         if profile:
@@ -424,12 +458,7 @@ class SystemProcess:
             raise SystemCrash("protocol", f"answer for id {ans.get('id')!r} when {rid} was expected")
         if "error" in ans:
             raise SystemCrash("exit", f"the system reported an error: {ans['error']}")
-        toks = ans.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            self.kill("protocol")
-            raise SystemCrash("protocol", f"answer {rid} has no list of integer tokens")
-        stats = ans.get("stats") if isinstance(ans.get("stats"), dict) else None
-        return Timed(toks, seconds, stats)
+        return ans, rid, seconds
 
     def _get(self, timeout: float, what: str) -> dict:
         try:

@@ -29,7 +29,7 @@ def evaluate_attempt(ws: Workspace, name: str, family: str, agent: str, res: Age
     att: Attempt = evaluate(ws, name, base, base_ar, ceiling, min_gain=min_gain, progress=say)
     out = {"branch": name, "agent": agent, "direction": family, "status": att.status, "reason": att.reason,
            "speedup": att.speedup, "speedup_over_ar": att.speedup_over_ar, "mechanism": res.mechanism,
-           "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95}
+           "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95, "points": att.points}
     say(f"  {name}: {att.status}: {att.reason}", "loop.attempt", out)
     return out
 
@@ -44,7 +44,8 @@ def integrate_kept(ws: Workspace, index: int, round_id: int, base: str, kept: li
     kept = sorted(kept, key=lambda a: -(a["speedup"] or 0))
     best = kept[0]
     if len(kept) == 1:
-        chosen = {"commit": ws.head(best["branch"]), "speedup": best["speedup"], "merged": [best["branch"]]}
+        chosen = {"commit": ws.head(best["branch"]), "speedup": best["speedup"], "merged": [best["branch"]],
+                  "points": best.get("points")}
     else:
         name = f"r{index}-combined"
         if ws.find_branch(name) is not None:
@@ -58,7 +59,7 @@ def integrate_kept(ws: Workspace, index: int, round_id: int, base: str, kept: li
             ok, why = merge_branch(wt, a["branch"], ws.config.config_file)
             (merged if ok else skipped).append(a["branch"] if ok else f"{a['branch']} ({why})")
         if len(merged) < 2:
-            chosen = {"commit": ws.head(best["branch"]), "speedup": best["speedup"],
+            chosen = {"commit": ws.head(best["branch"]), "speedup": best["speedup"], "points": best.get("points"),
                       "merged": [best["branch"]], "skipped": skipped}
         else:
             with tracking(ws.state, name):
@@ -66,9 +67,9 @@ def integrate_kept(ws: Workspace, index: int, round_id: int, base: str, kept: li
             say(f"  {name} ({' + '.join(merged)}): {att.status}: {att.reason}")
             if att.status == "keep" and (att.speedup or 0) >= best["speedup"]:
                 chosen = {"commit": ws.head(name), "speedup": att.speedup, "merged": merged,
-                          "skipped": skipped}
+                          "skipped": skipped, "points": att.points}
             else:
-                chosen = {"commit": ws.head(best["branch"]), "speedup": best["speedup"],
+                chosen = {"commit": ws.head(best["branch"]), "speedup": best["speedup"], "points": best.get("points"),
                           "merged": [best["branch"]], "skipped": skipped,
                           "note": f"combination {att.status} ({att.reason}); best single kept"}
     return chosen

@@ -124,7 +124,7 @@ class Loop:
         if done:
             return float(done[-1].summary["best_speedup_over_ar"])
         stock = self.measured("stock", self.ws.stock_commit)
-        return float(stock["speedup"]) if stock else 1.0
+        return first_point(stock) if stock else 1.0
 
     def exhausted(self) -> set[str]:
         """Families explored without a gain since the base last moved."""
@@ -340,7 +340,7 @@ class Loop:
             self.ws.repo.git.branch("-f", BASE_BRANCH, integ["commit"])
             for name in integ.get("merged", []):  # now part of base: no longer a candidate of its own
                 self.ws.memory.update_branch(self.ws.branch(name).id, status="merged")
-            summary["best_speedup_over_ar"] = base_ar * integ["speedup"]
+            summary["best_speedup_over_ar"] = base_ar * first_point(integ)
         self.ws.memory.update_round(rnd.id, status="done", summary=summary)
         return summary
 
@@ -471,6 +471,8 @@ class Loop:
                                                             "speedup", "speedup_over_ar", "mechanism")}
                                      for a in r.get("attempts", [])]} for r in rounds],
             "accepted_mechanisms": accepted,
+            "load": {"batch_sizes": self.ws.config.batch_sizes},
+            "points": load_points_summary(self.ws.config.batch_sizes, stock, final_m),
             "ceiling": self._ceiling or next((r.summary.get("ceiling") for r in reversed(self.rounds())
                                               if r.summary.get("ceiling")), None),
             "minutes": round(self.minutes(), 2),
@@ -488,6 +490,32 @@ def llm_config(ws: Workspace, override: dict | None = None):
         where = f"the [llm] table of {ws.path / 'specpilot.toml'}"
         raise LLMConfigError(str(e).replace("the [llm] config section", where).replace("in [llm]", f"in {where}")) \
             from None
+
+
+def first_point(measured: dict) -> float:
+    """A measurement's speedup at the load's first batch size (its aggregate has "points" beside it)."""
+    points = measured.get("points") or {}
+    if not points:
+        return float(measured["speedup"])
+    v = points[min(points, key=int)]  # a paired result's dict, or (an attempt's) the speedup itself
+    return float(v["speedup"] if isinstance(v, dict) else v)
+
+
+def load_points_summary(batch_sizes: list[int], stock: dict, final: dict) -> dict:
+    """Per batch size of the load: stock's and the final system's speedup over the same engine's AR."""
+    def at(m: dict, bs: int) -> dict:
+        return (m.get("points") or {}).get(str(bs)) or (m if len(batch_sizes) == 1 else {})
+
+    out = {}
+    for bs in batch_sizes:
+        st, fi = at(stock, bs), at(final, bs)
+        s_sp, f_sp = st.get("speedup"), fi.get("speedup")
+        out[str(bs)] = {"stock_speedup": s_sp, "final_speedup": f_sp,
+                        "improvement": f_sp / s_sp if s_sp and f_sp else None,
+                        "stock_ci95": st.get("ci95"), "final_ci95": fi.get("ci95"),
+                        "ar_tokens_per_s": fi.get("a_tokens_per_s") or st.get("a_tokens_per_s"),
+                        "final_tokens_per_s": fi.get("b_tokens_per_s"), "ar": fi.get("ar") or st.get("ar")}
+    return out
 
 
 def best_round(rounds: list[dict], final: str, stock: str) -> int | None:

@@ -107,6 +107,58 @@ class PairResult:
         return f"{self.speedup:.3f}x [{self.ci_low:.3f}, {self.ci_high:.3f}] over {self.passes} passes"
 
 
+LOAD_FLOOR = 0.97  # a kept change is at least this fast as its base at every point of the load profile
+
+
+@dataclass
+class LoadResult:
+    """Paired benchmarks at every point of a deployment's load profile (batch sizes), and their aggregate:
+    the geometric mean of the per-point speedups (and of their CI bounds). With one point it is that
+    point's result unchanged."""
+
+    points: dict[int, PairResult]
+
+    @property
+    def speedup(self) -> float:
+        return _geomean([r.speedup for r in self.points.values()])
+
+    @property
+    def ci_low(self) -> float:
+        return _geomean([r.ci_low for r in self.points.values()])
+
+    @property
+    def ci_high(self) -> float:
+        return _geomean([r.ci_high for r in self.points.values()])
+
+    @property
+    def worst(self) -> tuple[int, float]:
+        """The batch size where B gains least over A, and its speedup."""
+        b = min(self.points, key=lambda k: self.points[k].speedup)
+        return b, self.points[b].speedup
+
+    @property
+    def first(self) -> PairResult:
+        return self.points[min(self.points)]
+
+    def as_dict(self) -> dict:
+        if len(self.points) == 1:
+            return self.first.as_dict()
+        return {**self.first.as_dict(), "speedup": self.speedup, "ci95": [self.ci_low, self.ci_high],
+                "aggregate": "geometric mean over the load's batch sizes",
+                "points": {str(b): r.as_dict() for b, r in sorted(self.points.items())}}
+
+    def line(self) -> str:
+        if len(self.points) == 1:
+            return self.first.line()
+        per = ", ".join(f"B={b} {r.speedup:.3f}x" for b, r in sorted(self.points.items()))
+        return f"{self.speedup:.3f}x [{self.ci_low:.3f}, {self.ci_high:.3f}] aggregate ({per})"
+
+
+def _geomean(xs: list[float]) -> float:
+    xs = [max(x, 1e-9) for x in xs]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
+
+
 def _ci(ratios: list[float]) -> tuple[float, float, float]:
     m = statistics.fmean(ratios)
     if len(ratios) < 2:
@@ -119,8 +171,12 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                  max_passes: int = 8, rel_ci: float = 0.02, budget_s: float = 300.0,
                  config_a: dict | None = None, config_b: dict | None = None,
                  cpus: set[int] | None = None, label: str = "bench",
-                 check_b: Callable[[str, list[int]], str | None] | None = None) -> PairResult:
+                 check_b: Callable[[str, list[int]], str | None] | None = None, batch: int = 1) -> PairResult:
     """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends.
+
+    `batch` > 1 times batches: each timed unit is `batch` prompts sent at once to the system's batched
+    engine (`SystemProcess.generate_batch`), as a server under that load receives them; at least two units
+    a pass (prompts repeat when there are fewer than 2 x batch), so both orders occur every pass.
 
     Both sides run on `cpus` (default: the CPUs this process may use); a side found outside them
     after a timed request raises SystemCrash(kind="cheat"). `check_b(prompt_id, tokens)` judges every
@@ -136,39 +192,40 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     with measurement_lock():
         a.pin(cpus)
         b.pin(cpus)
-        for p in prompts[:1]:  # warm both (lazy initialisation, caches) outside the measurement
-            a.generate(p.ids, min(n, 8), config=config_a)
-            b.generate(p.ids, min(n, 8), config=config_b)
+        warm = [prompts[j % len(prompts)] for j in range(batch)]
+        for sp, conf in ((a, config_a), (b, config_b)):  # warm both (lazy initialisation, caches) untimed
+            _run_unit(sp, warm, min(n, 8), conf)
         step(label, 0, max_passes, "warming up")
         for i in range(max_passes):
             ta = tb = 0.0
             # A new order every pass, from the OS's randomness: neither side can predict which prompt comes
             # next or whether it goes first; half the pairs run A B, half B A, so drift cancels.
-            order_of = _rng.sample(list(prompts), len(prompts))
-            flips = [j % 2 == 0 for j in range(len(order_of))]
+            units = _units(prompts, batch)
+            flips = [j % 2 == 0 for j in range(len(units))]
             _rng.shuffle(flips)
-            for p, a_first in zip(order_of, flips, strict=True):
+            for unit, a_first in zip(units, flips, strict=True):
                 order = (a, b) if a_first else (b, a)
                 res = {}
                 for sp in order:
                     idle = b if sp is a else a
                     with idle.frozen():  # the other side cannot compute ahead or load the CPU meanwhile
-                        res[id(sp)] = sp.generate(p.ids, n, config=config_a if sp is a else config_b)
+                        res[id(sp)] = _run_unit(sp, unit, n, config_a if sp is a else config_b)
                     sp.check_pinned(cpus)
-                ra, rb = res[id(a)], res[id(b)]
-                problem = check_b(p.id, rb.tokens) if check_b is not None else None
-                if problem is not None:
-                    raise TimedOutputWrong(problem)
-                ta += ra.seconds
-                tb += rb.seconds
-                tok_a += len(ra.tokens)
-                tok_b += len(rb.tokens)
-                if ra.tokens != rb.tokens:
-                    mismatched.add(p.id)
-                for seen, r in ((a_out, ra), (b_out, rb)):
-                    outs = seen.setdefault(p.id, [])
-                    if r.tokens not in outs:
-                        outs.append(list(r.tokens))
+                (outs_a, sec_a), (outs_b, sec_b) = res[id(a)], res[id(b)]
+                for p, ta_toks, tb_toks in zip(unit, outs_a, outs_b, strict=True):
+                    problem = check_b(p.id, tb_toks) if check_b is not None else None
+                    if problem is not None:
+                        raise TimedOutputWrong(problem if batch == 1 else f"{problem} (batch of {batch})")
+                    tok_a += len(ta_toks)
+                    tok_b += len(tb_toks)
+                    if ta_toks != tb_toks:
+                        mismatched.add(p.id)
+                    for seen, toks in ((a_out, ta_toks), (b_out, tb_toks)):
+                        outs = seen.setdefault(p.id, [])
+                        if toks not in outs:
+                            outs.append(list(toks))
+                ta += sec_a
+                tb += sec_b
             ta_all += ta
             tb_all += tb
             ratios.append(ta / tb if tb > 0 else math.inf)
@@ -181,6 +238,26 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     m, lo, hi = _ci(ratios)
     return PairResult(m, lo, hi, len(ratios), tok_a / ta_all if ta_all else 0.0, tok_b / tb_all if tb_all else 0.0,
                       ratios, sorted(mismatched), a_out, b_out)
+
+
+def _units(prompts: list[Prompt], batch: int) -> list[list[Prompt]]:
+    """One pass's timed units in a fresh random order: single prompts, or groups of `batch` (at least two)."""
+    if batch <= 1:
+        return [[p] for p in _rng.sample(list(prompts), len(prompts))]
+    count = max(2, math.ceil(len(prompts) / batch))
+    pool: list[Prompt] = []
+    while len(pool) < count * batch:
+        pool += _rng.sample(list(prompts), len(prompts))
+    return [pool[j * batch:(j + 1) * batch] for j in range(count)]
+
+
+def _run_unit(sp: SystemProcess, unit: list[Prompt], n: int, config: dict | None) -> tuple[list[list[int]], float]:
+    """A unit's outputs and the harness's time for it: one request, or one batched request."""
+    if len(unit) == 1:
+        r = sp.generate(unit[0].ids, n, config=config)
+        return [r.tokens], r.seconds
+    r = sp.generate_batch([p.ids for p in unit], n, config=config)
+    return r.outputs, r.seconds
 
 
 def load_prompts(ws, which: str = "visible") -> list[Prompt]:

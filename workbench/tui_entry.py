@@ -61,6 +61,11 @@ def _table(s: dict) -> str:
 
     lines = [f"{s['deployment']}: stock {x(s['stock_speedup'])} over AR -> final {x(s['final_speedup'])} "
              f"({x(s['improvement'])} stock) in {s['minutes']:.1f} min [{s['status']}]"]
+    points = s.get("points") or {}
+    if len(points) > 1:  # a load profile: each batch size over the same engine's AR at that load
+        for bs, pt in points.items():
+            lines.append(f"  B = {bs}: stock {x(pt['stock_speedup'])} -> final {x(pt['final_speedup'])} "
+                         f"({x(pt['improvement'])} stock) over {'AR' if bs == '1' else 'batched AR'}")
     for r in s["rounds"]:
         lines.append(f"round {r['index']}: best {r['best_speedup_over_ar'] or 0:.2f}x over AR")
         for a in r["attempts"]:

@@ -56,6 +56,28 @@ class WorkspaceError(Exception):
     """A user-facing workspace problem; the message says what to do."""
 
 
+MAX_LOAD_BATCH = 256
+
+
+def load_points(deployment: dict, path: Path) -> list[int]:
+    """The deployment's load profile: `load = {batch_sizes = [1, 8]}` (or the older `batch_sizes = [..]`),
+    ascending distinct batch sizes; a one-line WorkspaceError naming the bad value otherwise."""
+    load = deployment.get("load", {})
+    if not isinstance(load, dict):
+        raise WorkspaceError(f"{path}: load = {load!r} must be a table, e.g. load = {{batch_sizes = [1, 8]}}")
+    unknown = sorted(set(load) - {"batch_sizes"})
+    if unknown:
+        raise WorkspaceError(f"{path}: load has unknown key(s) {', '.join(unknown)}; write load = "
+                             f"{{batch_sizes = [1, 8]}} (Poisson arrivals are not supported in a workspace yet)")
+    sizes = load.get("batch_sizes", deployment.get("batch_sizes", [1]))
+    if (not isinstance(sizes, list) or not sizes
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_LOAD_BATCH for b in sizes)
+            or sizes != sorted(set(sizes))):
+        raise WorkspaceError(f"{path}: load batch_sizes = {sizes!r} is invalid; use ascending distinct integers "
+                             f"from 1 to {MAX_LOAD_BATCH}, e.g. load = {{batch_sizes = [1, 8]}}")
+    return list(sizes)
+
+
 @dataclass
 class WorkspaceConfig:
     name: str
@@ -90,7 +112,7 @@ class WorkspaceConfig:
             return cls(name=d["name"], target=Path(d["target"]), drafter=Path(d["drafter"]) if d.get("drafter")
                        else None, tokenizer=Path(d.get("tokenizer", d["target"])), dtype=d.get("dtype", "bfloat16"),
                        device=d.get("device", "cpu"), hardware=d.get("hardware", "cpu-local"),
-                       batch_sizes=list(d.get("batch_sizes", [1])), entry=list(s["entry"]),
+                       batch_sizes=load_points(d, path), entry=list(s["entry"]),
                        config_file=s.get("config", "system.toml"), protected=list(s.get("protected", [])),
                        forcing_max_new_tokens=int(f.get("max_new_tokens", 64)),
                        max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim),
@@ -107,7 +129,9 @@ class WorkspaceConfig:
         if self.drafter:
             lines.append(f"drafter = {q(self.drafter)}")
         lines += [f"tokenizer = {q(self.tokenizer)}", f"dtype = {q(self.dtype)}", f"device = {q(self.device)}",
-                  f"hardware = {q(self.hardware)}", f"batch_sizes = {json.dumps(self.batch_sizes)}", "",
+                  f"hardware = {q(self.hardware)}",
+                  "# the load the deployment serves: the loop times every point, a kept change loses at none",
+                  f"load = {{batch_sizes = {json.dumps(self.batch_sizes)}}}", "",
                   "[system]", "# run as a subprocess from the branch's worktree; {target} {drafter} {python} expand",
                   f"entry = {json.dumps(self.entry)}", f"config = {q(self.config_file)}",
                   "# a candidate commit touching one of these is rejected before it runs",
@@ -634,7 +658,8 @@ def _default_limits(*model_dirs: Path | None) -> dict:
 
 def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
               hidden: int = DEMO_HIDDEN, limits: dict | None = None, prompts: str = "code",
-              name: str | None = None, bench: dict | None = None) -> Workspace:
+              name: str | None = None, bench: dict | None = None, batch_sizes: list[int] | None = None
+              ) -> Workspace:
     """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts.
 
     The keyword arguments shrink it (fewer prompts, shorter forcing, tighter limits), e.g. for tests.
@@ -652,6 +677,7 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
                                  f"or reinstall specpilot")
     rows = _read_jsonl(DEMO_DIR / "prompts" / f"{prompts}.jsonl")[:prompt_limit]
     cfg = WorkspaceConfig(
+        batch_sizes=load_points({"load": {"batch_sizes": batch_sizes or [1]}}, path),
         name=name, target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
         tokenizer=(DEMO_DIR / "target").resolve(),  # the target directory carries its tokenizer
         entry=_entry(drafter=True), protected=list(DEMO_PROTECTED), forcing_max_new_tokens=forcing_max_new_tokens,
@@ -664,7 +690,8 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
 
 def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | None = None,
                 prompts: str | Path | None = None, name: str | None = None, forcing_max_new_tokens: int = 64,
-                limits: dict | None = None, bench: dict | None = None) -> Workspace:
+                limits: dict | None = None, bench: dict | None = None, batch_sizes: list[int] | None = None
+                ) -> Workspace:
     """Create a workspace for the user's own deployment: a local Hugging Face target directory, an optional
     draft model sharing its tokenizer, and a prompts file (JSONL with a "text" per line, or plain text with
     one prompt per line; without one, the demo's code prompts if the target uses the demo's tokenizer).
@@ -707,6 +734,7 @@ def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | N
             raise WorkspaceError(f"--prompts {source}: prompt {r['id']!r} has no tokens under the target's "
                                  f"tokenizer; remove it")
     cfg = WorkspaceConfig(
+        batch_sizes=load_points({"load": {"batch_sizes": batch_sizes or [1]}}, path),
         name=name, target=target, drafter=drafter, tokenizer=target, entry=_entry(drafter=drafter is not None),
         protected=list(DEMO_PROTECTED), forcing_max_new_tokens=forcing_max_new_tokens,
         limits={**_default_limits(target, drafter), **(limits or {})},

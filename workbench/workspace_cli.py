@@ -31,6 +31,16 @@ def _errors():
     return (WorkspaceError, StoreError, NotFound, SystemCrash)
 
 
+def _batch_sizes(text: str | None) -> list[int] | None:
+    """--batch-sizes 1,8 -> [1, 8] (validated with the workspace's own rule when the config is built)."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise WorkspaceError(f"--batch-sizes {text}: use comma-separated integers, e.g. 1,8") from None
+
+
 def _init_hybrid_demo(args: argparse.Namespace) -> int:
     """The hybrid demo deployment (a hybrid recurrent target, its draft model, the demo's code prompts) as a
     workspace, through the same path as a user's own model."""
@@ -63,7 +73,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
                         "`specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
         quiet_transformers()
         try:
-            ws = init_target(args.what, args.target, drafter=args.drafter, prompts=args.prompts, name=args.name)
+            ws = init_target(args.what, args.target, drafter=args.drafter, prompts=args.prompts, name=args.name,
+                             batch_sizes=_batch_sizes(args.batch_sizes))
         except _errors() as e:
             return fail(str(e))
         c = ws.config
@@ -84,7 +95,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
                     f"own model, `specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
 
     try:
-        ws = init_demo(args.path, prompts=args.prompts or "code", name=args.name)
+        ws = init_demo(args.path, prompts=args.prompts or "code", name=args.name,
+                       batch_sizes=_batch_sizes(args.batch_sizes))
     except _errors() as e:
         return fail(str(e))
     print(f"created demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
@@ -183,6 +195,9 @@ def add_parser(sub) -> None:
                         "optional \"id\", \"domain\") or a text file, one prompt per line (default: the demo's code "
                         "prompts, if the target uses the demo's tokenizer)")
     i.add_argument("--name", help="deployment name (default: demo, demo-prose, or the target folder's name)")
+    i.add_argument("--batch-sizes", metavar="B,B,..",
+                   help="the load the deployment serves (default 1): e.g. 1,8 makes the loop time and keep changes "
+                        "at one request and at batches of 8 (written as load = {batch_sizes = [1, 8]})")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_init)
 

@@ -25,7 +25,7 @@ from decoder.contract import near_tie_threshold
 from decoder.mechanisms import REGISTRY
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.forcing import run_system, stock_reference
-from workbench.measure import load_prompts, measurement_lock
+from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock
 from workbench.progress import step
 from workbench.workspace import Workspace, WorkspaceError
 
@@ -53,7 +53,7 @@ def _grid(name: str, rng: random.Random) -> list[dict]:
     combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(m.keys[k] for k in keys))]
     # With its switch off (verify = "chain", dcut = False, ...), a mechanism's other keys change nothing,
     # and switching it off is not exploring it (a base that has it on would be offered stock again).
-    switches = {k for k, v in m.stock.items() if v in (False, "chain", "bf16")}
+    switches = {k for k, v in m.stock.items() if v in (False, "chain", "bf16", "")}
     combos = [c for c in combos if not any(c[k] == m.stock[k] for k in switches)]
     if len(combos) > MAX_GRID:
         combos = [combos[0], combos[-1], *rng.sample(combos[1:-1], MAX_GRID - 2)]
@@ -129,6 +129,24 @@ def mechanism_name(changes: dict) -> str:
     return f"{'+'.join(names) or 'config'}({vals})"
 
 
+SCHEDULE_LENS = (0, 1, 2, 3, 4)  # draft lengths the measured load schedule chooses from at each batch size
+
+
+def _geomean(xs: list[float]) -> float:
+    xs = [max(x, 1e-9) for x in xs]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
+
+
+def _off_stock(row: dict, tokens: list[int], n: int, threshold: float) -> str:
+    """Why `tokens` are not stock's first `n` for this prompt ("" when they are, up to a near tie)."""
+    stock, out = row["stock"][:n], tokens[:n]
+    if out == stock:
+        return ""
+    j = next((i for i, (a, b) in enumerate(zip(out, stock, strict=False)) if a != b), min(len(out), len(stock)))
+    margin = row["margins"][j] if j < len(row["margins"]) else math.inf
+    return "" if margin < threshold else f"{row['id']}:{j} margin {margin:.3g}"
+
+
 class TunerAgent:
     """Composes and tunes registered mechanisms for one direction; see the module docstring."""
 
@@ -139,6 +157,7 @@ class TunerAgent:
         self.seed = seed
         self.rungs = rungs
         self.min_gain = min_gain
+        self.points = list(ws.config.batch_sizes)  # the load's batch sizes: every score covers all of them
 
     def run(self, ctx: AgentContext) -> AgentResult:
 
@@ -149,7 +168,8 @@ class TunerAgent:
         except (WorkspaceError, ConfigError) as e:
             return AgentResult(False, f"the tuner cannot read the branch's config: {e}")
         cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, self.ws.refusal)
-        if not cands:
+        schedule_first = ctx.direction.family == "batching" and any(b > 1 for b in self.points) and base.method == "sd"
+        if not cands and not schedule_first:
             return AgentResult(False, f"no registered mechanism for {ctx.direction.family} applies on "
                                       f"{base.device} beyond the current config")
         stock = stock_reference(self.ws, progress=False)  # tokenizes every prompt and reads the cache: once
@@ -164,6 +184,11 @@ class TunerAgent:
         base_c = Candidate({}, "current", base)
         with run_system(self.ws, wt, f"tuner-{ctx.branch}") as sp:
             ratio = 0.0
+            if schedule_first:  # a schedule measured on this deployment's load, before the registry's fixed ones
+                sched = self._measured_schedule(sp, base, prompts, min(self.rungs[0][1], limit), ref, threshold,
+                                                history, ctx)
+                if sched is not None:
+                    alive.insert(0, sched)
             transferred = self._from_memory(sp, base, [c for c in cands if c.source.startswith("memory:")],
                                             prompts, limit, ref, threshold, history)
             if transferred is not None:  # accepted elsewhere and a win here too: no search needed
@@ -174,6 +199,7 @@ class TunerAgent:
                 n = min(n, limit)
                 use = prompts[: np_ or len(prompts)]
                 scores: dict[str, float] = {}
+                per_point: dict[str, dict[int, float]] = {}
                 with measurement_lock():
                     sp.generate(use[0].ids, 4, config=base.as_dict())  # warm
                     group = [base_c, *alive]
@@ -182,13 +208,22 @@ class TunerAgent:
                              f"{len(use)} prompts x {n} tokens")
                         if ctx.stop.is_set():
                             return AgentResult(False, "stopped by the engineer before a winner was found")
-                        tps, bad = self._score(sp, c.cfg, use, n, ref, threshold)
+                        tps, bad = self._score_load(sp, c.cfg, use, n, ref, threshold)
                         if bad:
                             ctx.log("tuner.drop", f"{c.changes} changes the output ({bad})", {"changes": c.changes})
                             scores[c.key] = -1.0
                         else:
-                            scores[c.key] = tps
-                base_tps = scores[base_c.key]
+                            per_point[c.key] = tps
+                if base_c.key not in per_point:
+                    return AgentResult(False, "the branch's current config gives output that is not stock's on the "
+                                              "visible prompts; the tuner does not tune on top of it")
+                for c in group:  # one point: tokens/s; several: the geometric mean of the speedups over the config
+                    if c.key in per_point:
+                        scores[c.key] = (per_point[c.key][self.points[0]] if len(self.points) == 1 else
+                                         _geomean([per_point[c.key][b] / max(per_point[base_c.key][b], 1e-9)
+                                                   for b in self.points]))
+                base_tps = per_point[base_c.key][self.points[0]] if len(self.points) == 1 else {
+                    str(b): v for b, v in per_point[base_c.key].items()}
                 alive = sorted((c for c in alive if scores[c.key] > 0), key=lambda c: -scores[c.key])
                 history.append({"rung": rung, "prompts": len(use), "tokens": n, "base_tps": base_tps,
                                 "scores": [(c.changes, scores[c.key]) for c in alive]})
@@ -201,8 +236,13 @@ class TunerAgent:
             if transferred is None and alive and not ctx.stop.is_set():
                 step("tuning final", detail=str(alive[0].changes))
                 with measurement_lock():
-                    ratio = self._paired(sp, base, alive[0].cfg, prompts, min(self.rungs[-1][1], limit))
-                history.append({"final": alive[0].changes, "paired_ratio": ratio})
+                    ratio, at = self._paired_load(sp, base, alive[0].cfg, prompts, min(self.rungs[-1][1], limit))
+                history.append({"final": alive[0].changes, "paired_ratio": ratio,
+                                **({"points": at} if len(at) > 1 else {})})
+                if len(at) > 1 and min(at.values()) < LOAD_FLOOR:
+                    return AgentResult(False, f"the best config {alive[0].changes} is {ratio:.3f}x in aggregate but "
+                                              f"{min(at.values()):.3f}x at B = {min(at, key=at.get)} (below "
+                                              f"{LOAD_FLOOR}x)", details={"history": history})
         ctx.log("tuner.done", f"{ctx.direction.family}: tuned", {"history": history})
         if not alive or ratio < self.min_gain:
             return AgentResult(False, f"no config beat the current one by {self.min_gain - 1:.0%} "
@@ -240,6 +280,76 @@ class TunerAgent:
                     best = (c, r)
         return best
 
+    def _score_load(self, sp, cfg: DecodeConfig, prompts, n: int, ref: dict, threshold: float
+                    ) -> tuple[dict[int, float], str]:
+        """Tokens/s at every batch size of the load (a batch: the prompts cycled to that size, sent at once),
+        every output checked against stock; ({}, why) at the first output that is not stock's."""
+        out = {}
+        for bs in self.points:
+            if bs == 1:
+                tps, bad = self._score(sp, cfg, prompts, n, ref, threshold)
+            else:
+                batch = [prompts[j % len(prompts)] for j in range(bs)]
+                r = sp.generate_batch([p.ids for p in batch], n, config=cfg.as_dict())
+                bad = next((why for p, toks in zip(batch, r.outputs, strict=True)
+                            if (why := _off_stock(ref[p.id], toks, n, threshold))), "")
+                tps = sum(len(o) for o in r.outputs) / r.seconds if r.seconds else 0.0
+            if bad:
+                return {}, bad if bs == 1 else f"{bad} at B = {bs}"
+            out[bs] = tps
+        return out, ""
+
+    def _paired_load(self, sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 2
+                     ) -> tuple[float, dict[int, float]]:
+        """time(a) / time(b) at every batch size of the load (A B B A, batches of the prompts cycled), and
+        their geometric mean."""
+        at = {}
+        for bs in self.points:
+            if bs == 1:
+                at[bs] = self._paired(sp, a, b, prompts, n, passes)
+                continue
+            batch = [prompts[j % len(prompts)].ids for j in range(bs)]
+            ta = tb = 0.0
+            for _ in range(passes):
+                for conf in (a, b, b, a):
+                    r = sp.generate_batch(batch, n, config=conf.as_dict())
+                    ta, tb = (ta + r.seconds, tb) if conf is a else (ta, tb + r.seconds)
+            at[bs] = ta / tb if tb else 0.0
+        return _geomean(list(at.values())), at
+
+    def _measured_schedule(self, sp, base: DecodeConfig, prompts, n: int, ref: dict, threshold: float,
+                           history: list, ctx: AgentContext) -> Candidate | None:
+        """The load schedule this deployment's measurements pick: at every batch size of the load, the draft
+        length (0 = AR steps) with the most tokens/s for the base config on the visible prompts."""
+        best: dict[int, int] = {}
+        seen: dict[int, dict[int, float]] = {}
+        with measurement_lock():
+            for bs in self.points:
+                for k in SCHEDULE_LENS:
+                    step("tuning schedule", SCHEDULE_LENS.index(k), len(SCHEDULE_LENS), f"B = {bs}, draft {k}")
+                    cfg = DecodeConfig(**{**base.as_dict(), "load_schedule": f"1:{k}"})
+                    self.points, keep = [bs], self.points
+                    try:
+                        tps, bad = self._score_load(sp, cfg, prompts[:2], n, ref, threshold)
+                    finally:
+                        self.points = keep
+                    if not bad:
+                        seen.setdefault(bs, {})[k] = tps[bs]
+                if seen.get(bs):
+                    best[bs] = max(seen[bs], key=seen[bs].get)
+        history.append({"schedule": {str(b): {str(k): round(v, 2) for k, v in d.items()} for b, d in seen.items()}})
+        if len(best) != len(self.points):
+            return None
+        if self.points[0] != 1:
+            best = {1: best[self.points[0]], **best}
+        text = ",".join(f"{b}:{k}" for b, k in sorted(best.items()))
+        ctx.log("tuner.schedule", f"measured schedule {text}", {"tokens_per_s": history[-1]["schedule"]})
+        try:
+            cfg = DecodeConfig(**{**base.as_dict(), "load_schedule": text})
+        except ConfigError:
+            return None
+        return Candidate({"load_schedule": text}, "measured-schedule", cfg)
+
     @staticmethod
     def _paired(sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 2) -> float:
         """time(a) / time(b) over `passes` A B B A sweeps of the prompts."""
@@ -261,14 +371,9 @@ class TunerAgent:
         conf = cfg.as_dict()
         for p in prompts:
             r = sp.generate(p.ids, n, config=conf)
-            stock = ref[p.id]["stock"][:n]
-            out = r.tokens[:n]
-            if out != stock:
-                j = next((i for i, (a, b) in enumerate(zip(out, stock, strict=False)) if a != b), min(len(out),
-                                                                                                   len(stock)))
-                margin = ref[p.id]["margins"][j] if j < len(ref[p.id]["margins"]) else math.inf
-                if margin >= threshold:
-                    return 0.0, f"{p.id}:{j} margin {margin:.3g}"
+            bad = _off_stock(ref[p.id], r.tokens, n, threshold)
+            if bad:
+                return 0.0, bad
             tokens += len(r.tokens)
             seconds += r.seconds
         return (tokens / seconds if seconds else 0.0), ""

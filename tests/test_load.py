@@ -1,0 +1,260 @@
+"""Load profiles (#21): the per-load speculation schedule in both decode loops, the batched request of the
+serve protocol and the harness, paired benchmarks and forcing under load, and the workspace's `load` table."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_llama
+
+from decoder.batch import BatchEngine, Request
+from decoder.config import ConfigError, DecodeConfig, parse_load_schedule, scheduled_draft_len
+from decoder.generate import ar_generate, generate
+from decoder.mechanisms import REGISTRY
+from workbench.forcing import _force_batched
+from workbench.harness import SystemCrash, SystemProcess
+from workbench.measure import LOAD_FLOOR, LoadResult, PairResult, Prompt, paired_bench
+from workbench.workspace import WorkspaceError, load_points
+
+# -- the schedule ----------------------------------------------------------------------------------
+
+
+def test_schedule_parses_and_picks_the_entry_for_each_load():
+    assert parse_load_schedule("") == ()
+    assert parse_load_schedule("1:4, 8:2,16:0") == ((1, 4), (8, 2), (16, 0))
+    cfg = DecodeConfig(load_schedule="1:4,8:2,16:0")
+    assert [scheduled_draft_len(cfg, b) for b in (0, 1, 7, 8, 15, 16, 64)] == [4, 4, 4, 2, 2, 0, 0]
+    assert scheduled_draft_len(DecodeConfig(), 8) is None
+    assert DecodeConfig.from_toml(cfg.to_toml()) == cfg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("8:2", "start at 1"), ("1:4,1:2", "rise strictly"), ("1:x", "'1:x' is not BATCH:DRAFT_LEN"),
+    ("1:33", "draft lengths 0 to 32"), ("1:4,8", "'8' is not BATCH:DRAFT_LEN"),
+])
+def test_bad_schedules_are_one_line_naming_the_value(text, needle):
+    with pytest.raises(ConfigError) as e:
+        DecodeConfig(load_schedule=text)
+    msg = str(e.value)
+    assert f"load_schedule = {text!r}" in msg and needle in msg and "\n" not in msg
+
+
+def test_schedule_is_a_registered_batching_mechanism_off_in_stock():
+    m = REGISTRY["load-schedule"]
+    assert m.family == "batching" and m.stock == {"load_schedule": ""} and DecodeConfig().load_schedule == ""
+    for value in m.keys["load_schedule"]:
+        DecodeConfig(load_schedule=value)  # every grid value is valid
+
+
+@pytest.fixture(scope="module")
+def models():
+    import copy
+
+    import torch
+
+    target = tiny_llama(vocab=96, hidden=64, layers=2, seed=3)
+    drafter = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
+    return target, drafter
+
+
+PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8], [10, 20, 30, 40, 50, 60], [4, 11], [7, 7, 7, 1], [2, 9, 4, 6]]
+
+
+def _refs(target, n):
+    return [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=n, dtype="float32",
+                                                 stop_at_eos=False)).tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_batched_engine_follows_the_schedule_and_stays_lossless(models, drafter):
+    """fp32: every request token-identical to its single-request greedy run, whatever the schedule; a load
+    of 4 live requests under '1:3,4:0' drafts nothing while 4 are live, and drafts once fewer remain."""
+    target, dm = models
+    n = 24
+    refs = _refs(target, n)
+    base = dict(max_new_tokens=n, dtype="float32", stop_at_eos=False, drafter=drafter, draft_len=3)
+    for sched in ("", "1:0", "1:3,4:0", "1:2,2:4,6:1"):
+        cfg = DecodeConfig(**base, load_schedule=sched)
+        run = BatchEngine(target, cfg, 4, dm if drafter == "draft-model" else None).run(
+            [Request(p, 0.0, i) for i, p in enumerate(PROMPTS)])
+        assert [r.tokens for r in run.results] == refs, sched
+        if sched == "1:0":
+            assert run.stats.drafted == 0
+    # 4 requests of equal length under "1:3,4:0": all four stay live together, so no step drafts.
+    cfg = DecodeConfig(**base, load_schedule="1:3,4:0")
+    four = BatchEngine(target, cfg, 4, dm if drafter == "draft-model" else None).run(
+        [Request(PROMPTS[0], 0.0, i) for i in range(4)])
+    assert four.stats.drafted == 0 and four.stats.target_forwards >= 4 * (n - 1)
+    three = BatchEngine(target, cfg, 3, dm if drafter == "draft-model" else None).run(
+        [Request(PROMPTS[0], 0.0, i) for i in range(3)])
+    assert three.stats.drafted > 0
+
+
+def test_single_request_loop_reads_the_schedule_at_one_request(models):
+    target, dm = models
+    n = 20
+    ref = _refs(target, n)[0]
+    common = dict(max_new_tokens=n, dtype="float32", stop_at_eos=False)
+    off = generate(DecodeConfig(**common, load_schedule="1:0,4:3"), target, PROMPTS[0], dm)
+    assert off.tokens == ref and off.stats.drafted == 0  # plain AR at one request
+    on = generate(DecodeConfig(**common, load_schedule="1:5,4:0"), target, PROMPTS[0], dm)
+    assert on.tokens == ref and on.stats.drafted > 0 and max(on.stats.accept_hist) <= 5
+
+
+# -- the serve protocol and the harness ---------------------------------------------------------------
+
+ECHO_BATCH = r'''
+import json, sys
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("op") == "quit":
+        break
+    n = req["max_new_tokens"]
+    if "batch" in req:
+        mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+        outs = [[(p[0] + 1) % 50] * n for p in req["batch"]]  # a model that reads the first token only
+        if mode == "short":
+            outs = outs[:-1]
+        if mode == "wrong" and len(outs) > 1 and n > 2:
+            outs[1][2] = 49
+        print(json.dumps({"id": req["id"], "outputs": outs}), flush=True)
+    else:
+        print(json.dumps({"id": req["id"], "tokens": [(req["prompt_ids"][0] + 1) % 50] * n}), flush=True)
+'''
+
+
+def _echo(tmp_path: Path, mode: str = "ok") -> SystemProcess:
+    wt = tmp_path / f"wt-{mode}"  # a folder the sandbox's uid can read (tmp_path itself is 0700)
+    wt.mkdir(exist_ok=True)
+    (wt / "echo.py").write_text(ECHO_BATCH)
+    return SystemProcess(wt, [sys.executable, "-I", str(wt / "echo.py"), mode])
+
+
+def test_generate_batch_returns_outputs_in_order_and_checks_their_shape(tmp_path):
+    with _echo(tmp_path) as sp:
+        r = sp.generate_batch([[1], [2, 3], [9]], 4)
+        assert r.outputs == [[2] * 4, [3] * 4, [10] * 4] and r.seconds > 0
+    with _echo(tmp_path, "short") as sp, pytest.raises(SystemCrash) as e:
+        sp.generate_batch([[1], [2]], 3)
+    assert e.value.kind == "protocol" and "2 integer token lists" in e.value.reason
+
+
+def test_paired_bench_under_load_times_batches_and_checks_every_output(tmp_path):
+    prompts = [Prompt(f"p{i}", [i]) for i in range(3)]
+    calls = []
+
+    def check(pid, toks):
+        calls.append(pid)
+        return None
+
+    with _echo(tmp_path) as a, _echo(tmp_path) as b:
+        res = paired_bench(a, b, prompts, 3, min_passes=2, max_passes=2, batch=4, check_b=check)
+    # At least two units of 4 prompts a pass (prompts repeat): 8 outputs checked per pass.
+    assert res.passes == 2 and len(calls) == 16 and set(calls) == {"p0", "p1", "p2"}
+    assert res.a_tokens_per_s > 0 and not res.mismatched_prompts
+
+
+def test_load_result_aggregates_by_geometric_mean_and_names_the_worst_point():
+    def pr(x):
+        return PairResult(x, x - 0.01, x + 0.01, 3, 1.0, x)
+
+    one = LoadResult({1: pr(1.5)})
+    assert one.speedup == 1.5 and one.as_dict() == pr(1.5).as_dict() and "points" not in one.as_dict()
+    two = LoadResult({1: pr(2.0), 8: pr(0.5)})
+    assert two.speedup == pytest.approx(1.0) and two.worst == (8, 0.5) and two.first.speedup == 2.0
+    d = two.as_dict()
+    assert d["points"]["8"]["speedup"] == 0.5 and d["speedup"] == pytest.approx(1.0)
+    assert "B=8 0.500x" in two.line() and 0.5 < LOAD_FLOOR
+
+
+def test_forcing_under_load_finds_the_position_and_keeps_the_load(tmp_path):
+    stock = {i: [(i + 1) % 50] * 5 for i in range(3)}
+    prompts = [{"id": f"p{i}", "split": "visible", "prompt_ids": [i], "stock": stock[i], "margins": [9.0] * 5}
+               for i in range(3)]
+
+    class Tok:
+        def decode(self, ids):
+            return str(ids)
+
+    with _echo(tmp_path) as sp:
+        mm, checked = _force_batched(sp, prompts, 2, 16, Tok())
+    assert mm == [] and checked == 15
+    with _echo(tmp_path, "wrong") as sp:
+        mm, checked = _force_batched(sp, prompts, 2, 16, Tok())
+    # The second request of each batch is wrong at its third token: p1 in the first batch, and the filler
+    # (unused) in the second; p1 is asked again from stock's tokens through position 2 and then matches.
+    assert [(m["prompt_id"], m["position"], m["batch"]) for m in mm] == [("p1", 2, 2)]
+    assert checked == 15
+
+
+# -- the workspace's load table -----------------------------------------------------------------------
+
+def test_load_points_read_the_table_and_the_older_key():
+    p = Path("specpilot.toml")
+    assert load_points({}, p) == [1]
+    assert load_points({"load": {"batch_sizes": [1, 8]}}, p) == [1, 8]
+    assert load_points({"batch_sizes": [1, 4]}, p) == [1, 4]
+
+
+@pytest.mark.parametrize("dep, needle", [
+    ({"load": {"batch_sizes": [8, 1]}}, "[8, 1] is invalid"),
+    ({"load": {"batch_sizes": [0]}}, "[0] is invalid"),
+    ({"load": {"batch_sizes": []}}, "[] is invalid"),
+    ({"load": {"rate": 4}}, "unknown key(s) rate"),
+    ({"load": 8}, "must be a table"),
+])
+def test_bad_load_tables_are_one_line(dep, needle):
+    with pytest.raises(WorkspaceError) as e:
+        load_points(dep, Path("ws/specpilot.toml"))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_workspace_with_a_load_round_trips(tmp_path):
+    from workbench.workspace import WorkspaceConfig
+
+    cfg = WorkspaceConfig(name="x", target=tmp_path, drafter=None, tokenizer=tmp_path, batch_sizes=[1, 8],
+                          entry=["python"])
+    path = tmp_path / "specpilot.toml"
+    path.write_text(cfg.to_toml())
+    assert "load = {batch_sizes = [1, 8]}" in path.read_text()
+    assert WorkspaceConfig.load(path).batch_sizes == [1, 8]
+    assert json.loads(json.dumps(cfg.batch_sizes)) == [1, 8]
+
+
+def test_serve_answers_a_batch_with_each_request_s_greedy_tokens(tmp_path, models):
+    """The system's batched request: fp32, every output token-identical to that prompt's single-request AR,
+    under stock SD, a schedule and AR; a bad batch is a one-line error and the server keeps serving."""
+    import subprocess
+
+    target, dm = models
+    target.save_pretrained(tmp_path / "t")
+    dm.save_pretrained(tmp_path / "d")
+    n = 12
+    refs = _refs(target, n)
+    (tmp_path / "system.toml").write_text(DecodeConfig(dtype="float32", stop_at_eos=False).to_toml())
+    reqs = [{"id": 1, "batch": PROMPTS, "max_new_tokens": n},
+            {"id": 2, "batch": PROMPTS[:3], "max_new_tokens": n, "config": {"load_schedule": "1:4,3:0"},
+             "profile": True},
+            {"id": 3, "batch": PROMPTS[:2], "max_new_tokens": n, "config": {"method": "ar"}},
+            {"id": 4, "batch": [], "max_new_tokens": n},
+            {"id": 5, "batch": [[1, "x"]], "max_new_tokens": n},
+            {"id": 6, "prompt_ids": PROMPTS[0], "max_new_tokens": n}]
+    out = subprocess.run([sys.executable, "-m", "decoder.serve", "--target", str(tmp_path / "t"), "--drafter",
+                          str(tmp_path / "d"), "--config", str(tmp_path / "system.toml")],
+                         input="".join(json.dumps(r) + "\n" for r in reqs), capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert lines[0]["ready"] is True, out.stderr[-2000:]
+    ans = {a["id"]: a for a in lines[1:]}
+    assert ans[1]["outputs"] == refs
+    assert ans[2]["outputs"] == refs[:3] and ans[2]["stats"]["drafted"] == 0  # 3 live: the schedule's AR steps
+    assert ans[3]["outputs"] == refs[:2]
+    assert "batch must be a list of 1 to 256 prompts" in ans[4]["error"]
+    assert ans[5]["error"].startswith("bad request:") and "\n" not in ans[5]["error"]
+    assert ans[6]["tokens"] == refs[0]
