@@ -11,11 +11,13 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from costmodel.accuracy import AccuracyError, StepSweep, sweep_mismatch
 from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment, demo_dir
-from costmodel.hardware import get_profile, save_profile
+from costmodel.hardware import LOCAL, get_profile, save_profile
 from costmodel.model_profile import WEIGHT_FORMATS, load_model_profile
 from costmodel.report import build_report, format_table, plot_gaps
 from costmodel.step import DRAFTER_KINDS, Drafter
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from costmodel.deployment import CostDeployment
 
 EXIT_USAGE = 2
+STEP_SWEEP_SECONDS = 4.0  # `costmodel --deployment demo`'s own step measurement, when the profile has none
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a plain file stem: no '/', no leading '.'
 
 
@@ -80,12 +83,17 @@ def add_parser(subparsers) -> None:
     c.add_argument("--method", default="sd-draft-model", help="which method of --bench to break down")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.add_argument("--plot", help="also write a PNG chart of the gaps against the ceiling")
+    c.add_argument("--steps-seconds", type=_positive_float, default=STEP_SWEEP_SECONDS,
+                   help="with --deployment demo and no step sweep in the profile: the time budget of the short "
+                        f"measurement prediction_error scores (default {STEP_SWEEP_SECONDS:g})")
     c.set_defaults(func=cmd_costmodel)
 
     p = subparsers.add_parser("profile", help="measure this machine: `profile hardware [--model DIR]`")
     p.add_argument("what", help="hardware: bandwidth, matmul throughput and per-forward overhead of this machine")
     p.add_argument("--model", help="a local Hugging Face model directory: time its verify forwards and fit "
                                    "the overheads to them (default: the demo target, when trained)")
+    p.add_argument("--drafter", help="a draft model's directory: time its one-token forward for the cost model's "
+                                     "prediction error (default: the demo drafter with the demo target)")
     p.add_argument("--no-model", action="store_true", help="measure the machine only, no model sweep")
     p.add_argument("--seconds", type=_positive_float, default=10.0, help="time budget (default 10)")
     p.add_argument("--context", type=_positive_int, default=256, help="KV context of the model sweep")
@@ -170,10 +178,47 @@ def run_costmodel(args: argparse.Namespace) -> dict:
         if args.batch and args.batch != 1:
             raise ValueError(f"--batch {args.batch} with --bench: the bench runs one request at a time; drop --batch")
     dep = build_deployment(args, entry, dtype)
-    report = build_report(dep, args.tau, entry, ar_ms, num_prompts)
+    sweep, why_not = step_sweep(args, dep)
+    report = build_report(dep, args.tau, entry, ar_ms, num_prompts, steps=sweep)
+    if why_not:
+        report["notes"].append(f"no prediction_error: {why_not}")
     if args.plot:
         report["plot"] = str(plot_gaps(report, args.plot))
     return report
+
+
+def step_sweep(args: argparse.Namespace, dep: CostDeployment) -> tuple[StepSweep | None, str | None]:
+    """The measured step times `prediction_error` scores, or None and why: the hardware profile's sweep when
+    it was measured on this deployment's target and format; else, with --deployment demo on this machine's
+    profile, a short measurement of the demo models now, at the deployment's context and the profile's
+    threads (the torch import is here, after every check, so the arithmetic stays torch-free)."""
+    stored, reason = dep.hardware.measured.get("steps"), None
+    if stored:
+        try:
+            sweep = StepSweep.from_dict(stored)
+        except AccuracyError as e:
+            raise ValueError(f"hardware profile {dep.hardware.name}: {e}") from e
+        reason = sweep_mismatch(sweep, dep.target, dep.fmt)
+        if reason is None:
+            return replace(sweep, extra={**sweep.extra, "source": f"hardware profile {dep.hardware.name}"}), None
+    if args.deployment != "demo" or args.target_config:
+        return None, reason or (f"the {dep.hardware.name} profile holds no step sweep of this target; run "
+                                f"`specpilot profile hardware --model DIR` on the machine it describes")
+    if dep.hardware.name != LOCAL:
+        return None, f"{dep.hardware.name} is not this machine: the demo's forwards timed here would not match"
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(dep.fmt)
+    if dtype is None:
+        return None, f"the Hugging Face forward runs bf16 or fp32, not {dep.fmt}: nothing to time"
+    target = _demo_target()
+    if target is None:
+        return None, "the demo target has no weights to time; run `specpilot train demo`"
+    from decoder.lab.hardware import measure_steps  # torch: only when a measurement is due
+
+    print(f"measuring the demo's step times for prediction_error (~{args.steps_seconds:g} s; `specpilot profile "
+          f"hardware` stores them)", file=sys.stderr)
+    sweep = measure_steps(target, _demo_drafter(), dep.context, dtype, args.steps_seconds,
+                          threads=dep.hardware.measured.get("threads"))
+    return replace(sweep, extra={**sweep.extra, "source": "measured now"}), None
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
@@ -197,6 +242,15 @@ def _demo_target() -> str | None:
     return str(target) if (target / "model.safetensors").is_file() else None
 
 
+def _demo_drafter() -> str | None:
+    """The demo draft model's directory when it is trained (timed beside the demo target)."""
+    try:
+        drafter = demo_dir() / "drafter"
+    except ValueError:
+        return None
+    return str(drafter) if (drafter / "model.safetensors").is_file() else None
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of `specpilot profile hardware`: measures, stores, prints a summary; 2 on a user error."""
     if args.what != "hardware":
@@ -206,16 +260,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
                      f"e.g. cpu-local; to write elsewhere pass --out FILE")
     if args.out and Path(args.out).is_dir():
         return _fail(f"--out {args.out}: is a folder; pass a file path, e.g. {Path(args.out) / (args.name + '.json')}")
-    from decoder.lab.hardware import measure_cpu_local_repeated  # torch: after the checks that need none
-
     try:
         model = None if args.no_model else args.model or _demo_target()
         if model and not (Path(model) / "config.json").is_file():
             raise ValueError(f"--model {model}: no config.json there; pass a local Hugging Face model directory")
+        if args.drafter and not model:
+            raise ValueError("--drafter needs the target it drafts for: drop --no-model, or pass --model DIR")
+        drafter = args.drafter or (_demo_drafter() if model and not args.model else None)
+        if drafter and not (Path(drafter) / "config.json").is_file():
+            raise ValueError(f"--drafter {drafter}: no config.json there; pass a local Hugging Face model directory")
+    except ValueError as e:
+        return _fail(str(e))
+    from decoder.lab.hardware import measure_cpu_local_repeated  # torch: after the checks that need none
+
+    try:
         if model:
             print(f"measuring this machine and the verify step of {model} (~{args.seconds:g} s)", file=sys.stderr)
         profile = measure_cpu_local_repeated(model, args.seconds, context=args.context, dtype=args.dtype,
-                                             name=args.name)
+                                             name=args.name, steps=bool(model), drafter_dir=drafter)
         path = save_profile(profile, args.out)
     except ValueError as e:
         return _fail(str(e))
@@ -231,5 +293,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if val:
         print(f"verify sweep on {val['model']} (context {val['context']}): fitted bandwidth "
               f"{profile.achieved_bandwidth_GBps:.1f} GB/s; median abs rel error {val['median_abs_rel_error']:.1%}")
+    steps = profile.measured.get("steps")
+    if steps:
+        kinds = "AR, verify, batched" + (", draft" if steps["drafter"] else "")
+        print(f"step sweep: {len(steps['points'])} forwards ({kinds}) timed for `specpilot costmodel`'s "
+              f"prediction_error")
     print(f"saved {path}")
     return 0

@@ -10,6 +10,10 @@ JSON contract (keys may be added, never renamed):
     gaps                 [{"name", "family", "ms_per_token", "could_save"}], largest first
     validation           {"q", "predicted_ms", "measured_ms", "median_abs_rel_error"}, when the
                          hardware profile holds a verify sweep measured on this target
+    prediction_error     predicted against measured step times per kind (ar, verify, batched, draft:
+                         points with abs_rel_error and held_out, max_abs_rel_error), what the profile
+                         was fitted on (fit_on) and how the steps were measured (costmodel/accuracy.py);
+                         null when no step sweep of this deployment was measured (a note says why)
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from costmodel.accuracy import StepSweep, format_prediction_error, prediction_error, sweep_mismatch
 from costmodel.ceiling import plausible
 from costmodel.deployment import CostDeployment
 from costmodel.entry import MethodEntry
@@ -47,12 +52,17 @@ def validation(dep: CostDeployment) -> dict | None:
 
 
 def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: MethodEntry | Mapping | None = None,
-                 ar_ms_per_token: float | None = None, num_prompts: int | None = None) -> dict:
+                 ar_ms_per_token: float | None = None, num_prompts: int | None = None,
+                 steps: StepSweep | None = None) -> dict:
     """The cost model's JSON for a deployment: ceilings, projection or measured gaps, validation.
 
     With `bench_entry` (one method of `specpilot bench --json`), the gaps split its measured time,
     tau defaults to its measured tau and `ar_ms_per_token` (the bench's AR) anchors the B = 1 ceiling.
+    With `steps` (measured on this deployment's target and format), `prediction_error` scores the step
+    model against them.
     """
+    if steps is not None and (why := sweep_mismatch(steps, dep.target, dep.fmt)):
+        raise ValueError(f"prediction error: {why}; measure this deployment's steps")
     k = dep.draft_len
     entry = MethodEntry.read(bench_entry) if bench_entry is not None else None
     measured = entry is not None
@@ -128,6 +138,8 @@ def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Met
     val = validation(dep)
     if val is not None:
         report["validation"] = val
+    drafter = dep.drafter.model if dep.drafter.kind == "model" else None
+    report["prediction_error"] = prediction_error(dep.hardware, dep.target, drafter, steps) if steps else None
     return report
 
 
@@ -186,6 +198,8 @@ def format_table(report: dict) -> str:
                                                                          strict=True))
         lines.append(f"validation (predicted/measured ms, context {v['context']}): {pairs}; median abs rel error "
                      f"{v['median_abs_rel_error']:.1%}")
+    if report.get("prediction_error"):
+        lines += format_prediction_error(report["prediction_error"])
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from costmodel.accuracy import STEP_POINTS, StepPoint, StepSweep
 from costmodel.fit import fit_profile
 from costmodel.hardware import LOCAL, PROFILE_REPEATS, HardwareError, HardwareProfile
 from costmodel.model_profile import load_model_profile
@@ -64,44 +65,113 @@ def _tiny_llama(layers: int):
 
 def _forward_ms(model, q: int, context: int, budget_s: float, batch: int = 1, dtype=None) -> float:
     """Median ms of one forward of q new tokens per request onto a KV cache of `context` tokens."""
-
-
     if dtype is not None:
         model = model.to(dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (batch, context), generator=gen)  # [B, L]
     new = torch.randint(0, vocab, (batch, q), generator=gen)  # [B, q]
-    # transformers 5.2x renames `past_key_values` to `cache` with a FutureWarning; the GPU machine's 5.17
-    # knows only the old name, so keep it and silence the warning.
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return 1000 * _median_time(_verify_step(model, prompt, new), budget_s)
 
-        def step() -> None:
-            model(input_ids=new, past_key_values=cache, use_cache=True)
-            cache.crop(-q)  # roll back so every repeat verifies onto the same context
 
-        return 1000 * _median_time(step, budget_s)
+def _verify_step(model, prompt: torch.Tensor, new: torch.Tensor) -> Callable[[], None]:
+    """Prefill `prompt` [B, L] into a fresh cache; return a call that runs one forward of `new` [B, q] onto it
+    and rolls the cache back, so every repeat verifies onto the same context. Call under inference_mode."""
+    # transformers 5.2x renames `past_key_values` to `cache` with a FutureWarning; the GPU machine's 5.17
+    # knows only the old name, so keep it (the callers silence the warning).
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    q = new.shape[1]
+
+    def step() -> None:
+        model(input_ids=new, past_key_values=cache, use_cache=True)  # full logits [B, q, V], as verify needs
+        cache.crop(-q)
+
+    return step
+
+
+def measure_steps(target: Path | str, drafter: Path | str | None = None, context: int = 256,
+                  dtype: str = "bfloat16", seconds_budget: float = 4.0, threads: int | None = None,
+                  models: tuple | None = None, extra_verify_qs: tuple[int, ...] = (),
+                  min_rounds: int = 3) -> StepSweep:
+    """Time the step model's points (costmodel/accuracy.py: STEP_POINTS) on the Hugging Face forward of
+    `target` (and `drafter` for the draft points; without it they are skipped) at `context` cached tokens,
+    on `threads` torch threads (None: as set). `models` passes the (target, drafter) modules already loaded.
+
+    Every point has its own prefilled cache; after a warm-up round, rounds time each point once in turn
+    until the budget is spent (at least `min_rounds`), and a point's time is the median of its rounds: a
+    burst of load on a shared machine then lands on all points alike instead of on whichever was being
+    timed. ar and verify q = 1 are the same shape timed apart: their gap shows the noise."""
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    fmt = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    points = [p for p in STEP_POINTS if drafter is not None or p.role == "target"]
+    points += [StepPoint("verify", q) for q in extra_verify_qs if StepPoint("verify", q) not in points]
+    if models is None:
+        models = tuple(None if d is None else AutoModelForCausalLM.from_pretrained(
+            str(d), dtype=torch_dtype, local_files_only=True).eval() for d in (target, drafter))
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    times: dict[StepPoint, list[float]] = {p: [] for p in points}
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            steps = {}
+            for p in points:
+                model = models[0] if p.role == "target" else models[1]
+                gen = torch.Generator().manual_seed(p.batch)
+                vocab = model.config.vocab_size
+                prompt = torch.randint(0, vocab, (p.batch, context), generator=gen)  # [B, L]
+                steps[p] = _verify_step(model, prompt, torch.randint(0, vocab, (p.batch, p.q), generator=gen))
+                steps[p]()  # warm-up
+            start = time.perf_counter()
+            rounds = 0
+            while rounds < min_rounds or time.perf_counter() - start < seconds_budget:
+                for p, step in steps.items():
+                    t = time.perf_counter()
+                    step()
+                    times[p].append(time.perf_counter() - t)
+                rounds += 1
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    target_profile = load_model_profile(target)
+    drafter_profile = load_model_profile(drafter) if drafter is not None else None
+    return StepSweep(
+        target=str(target), target_fingerprint=target_profile.fingerprint, context=context, fmt=fmt,
+        measured_ms={p: 1000 * statistics.median(times[p]) for p in points},
+        drafter=str(drafter) if drafter is not None else None,
+        drafter_fingerprint=drafter_profile.fingerprint if drafter_profile else None, threads=used,
+        extra={"rounds": rounds, "seconds": round(time.perf_counter() - t0, 2),
+               "load_avg": round(os.getloadavg()[0], 2), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def measure_cpu_local(model_dir: Path | str | None = None, seconds_budget: float = 10.0, context: int = 256,
                       dtype: str = "bfloat16", qs: tuple[int, ...] = (1, 2, 4, 8, 16),
-                      name: str = LOCAL) -> HardwareProfile:
+                      name: str = LOCAL, steps: bool = False, drafter_dir: Path | str | None = None
+                      ) -> HardwareProfile:
     """Measure this machine: copy bandwidth, bf16/fp32 matmul throughput at decode shapes, per-forward
     and per-layer overhead (tiny random models), and, with `model_dir`, the verify time of the real
     model for each q, to which the per-layer overhead, achieved bandwidth and matmul rate are fitted.
+    With `steps` too, the step model's points (`measure_steps`: AR, verify, batched, and the draft
+    model's forward when `drafter_dir` is given) are timed in the same run, into measured["steps"], so
+    `specpilot costmodel` can state its prediction error against forwards timed beside the fit.
 
     Runs on the threads torch is set to use; measure with the thread count the bench will use.
     """
-
-
-
     if seconds_budget <= 0:
         raise HardwareError(f"seconds budget {seconds_budget}: must be positive (about 10 s is enough)")
-    share = {"copy": 0.15, "matmul": 0.35, "layers": 0.2, "model": 0.3} if model_dir else \
-        {"copy": 0.2, "matmul": 0.5, "layers": 0.3}
+    if steps and model_dir is None:
+        raise HardwareError("a step sweep needs the model to time; pass model_dir")
+    if steps:  # the step sweep holds the verify sweep: its verify points are the fit's samples
+        share = {"copy": 0.1, "matmul": 0.25, "layers": 0.15, "model": 0.5}
+    elif model_dir:
+        share = {"copy": 0.15, "matmul": 0.35, "layers": 0.2, "model": 0.3}
+    else:
+        share = {"copy": 0.2, "matmul": 0.5, "layers": 0.3}
     t_start = time.perf_counter()
     bandwidth = _copy_bandwidth_GBps(seconds_budget * share["copy"])
     curve_qs = (1, 2, 4, 8, 16, 64)
@@ -139,8 +209,16 @@ def measure_cpu_local(model_dir: Path | str | None = None, seconds_budget: float
 
         target = load_model_profile(model_dir)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, local_files_only=True).eval()
-        q_budget = seconds_budget * share["model"] / len(qs)
-        measured_ms = [round(_forward_ms(model, q, context, q_budget), 4) for q in qs]
+        if steps:
+            drafter = None if drafter_dir is None else AutoModelForCausalLM.from_pretrained(
+                str(drafter_dir), dtype=torch_dtype, local_files_only=True).eval()
+            sweep = measure_steps(model_dir, drafter_dir, context, dtype, seconds_budget * share["model"],
+                                  models=(model, drafter), extra_verify_qs=qs)
+            profile.measured["steps"] = sweep.as_dict()
+            measured_ms = [round(sweep.measured_ms[StepPoint("verify", q)], 4) for q in qs]
+        else:
+            q_budget = seconds_budget * share["model"] / len(qs)
+            measured_ms = [round(_forward_ms(model, q, context, q_budget), 4) for q in qs]
         fmt = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
         samples = [(q, 1, context, m) for q, m in zip(qs, measured_ms, strict=True)]
         # Fit the per-forward overhead, and the bandwidth and matmul rate a real forward achieves
@@ -156,8 +234,6 @@ def measure_cpu_local(model_dir: Path | str | None = None, seconds_budget: float
         }
     profile.measured["seconds"] = round(time.perf_counter() - t_start, 2)
     return profile
-
-
 
 
 def measure_cpu_local_repeated(model_dir: Path | str | None = None, seconds_budget: float = 10.0,
