@@ -27,6 +27,7 @@ STEP_KINDS = ("ar", "verify", "batched", "draft")
 VERIFY_QS = (1, 2, 4, 8, 16)
 BATCH_SIZES = (1, 2, 4, 8, 16)
 BATCH_QS = (1, 4)
+KV_FIT_BATCH_SIZES = (2, 8)  # batched points the profile's KV rate is fitted on; B = 4, 16 stay held out
 GOAL_ABS_REL_ERROR = 0.10  # issue #21: a schedule chosen from predicted step costs needs them within 10%
 
 
@@ -129,12 +130,18 @@ def fitted_samples(hw: HardwareProfile) -> tuple[dict | None, set[tuple[int, int
     sweep = hw.measured.get("validation")
     if not sweep:
         return None, set()
-    batch = int(sweep.get("batch", 1))
-    shapes = {(int(q), batch, int(sweep["context"])) for q in sweep["q"]}
-    return {"kind": "verify", "q": list(sweep["q"]), "batch": batch, "context": sweep["context"],
-            "model": sweep.get("model"), "fingerprint": sweep.get("fingerprint"),
-            "fitted": "fixed and per-layer overhead, achieved bandwidth and matmul rate of the hardware profile",
-            "measured_at": hw.measured.get("measured_at")}, shapes
+    batch, context = int(sweep.get("batch", 1)), int(sweep["context"])
+    shapes = {(int(q), batch, context) for q in sweep["q"]}
+    groups = [{"kind": "verify", "q": list(sweep["q"]), "batch": [batch]}]
+    fitted = "fixed and per-layer overhead, achieved bandwidth and matmul rate of the hardware profile"
+    kv = sweep.get("kv_fit")
+    if kv:
+        pairs = [(int(s["q"]), int(s["batch"])) for s in kv["samples"]]
+        shapes |= {(q, b, context) for q, b in pairs}
+        groups.append({"kind": "batched", "q": sorted({q for q, _ in pairs}), "batch": sorted({b for _, b in pairs})})
+        fitted += ", and its KV rate (kv_bandwidth_GBps), jointly"
+    return {"groups": groups, "context": context, "model": sweep.get("model"), "fingerprint": sweep.get("fingerprint"),
+            "fitted": fitted, "measured_at": hw.measured.get("measured_at")}, shapes
 
 
 def prediction_error(hw: HardwareProfile, target: ModelProfile, drafter: ModelProfile | None,
@@ -193,8 +200,9 @@ def format_prediction_error(pe: Mapping, kinds: Sequence[str] = STEP_KINDS) -> l
              f"{m['context']}, {m['format']}{threads}; {m.get('source', 'measured')})"]
     fit = pe.get("fit_on")
     if fit:
-        lines.append(f"  fitted on: {fit['kind']} q={','.join(map(str, fit['q']))} B={fit['batch']} context "
-                     f"{fit['context']} (* = a fitted shape, in-sample)")
+        groups = "; ".join(f"{g['kind']} q={','.join(map(str, g['q']))} B={','.join(map(str, g['batch']))}"
+                           for g in fit["groups"])
+        lines.append(f"  fitted on: {groups}, context {fit['context']} (* = a fitted shape, in-sample)")
     else:
         lines.append("  fitted on: nothing (a datasheet profile)")
     lines.append(f"  {'kind':<8} {'q':>3} {'B':>3} {'predicted ms':>13} {'measured ms':>12} {'error':>7}")

@@ -296,7 +296,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     steps = profile.measured.get("steps")
     if steps:
         kinds = "AR, verify, batched" + (", draft" if steps["drafter"] else "")
-        print(f"step sweep: {len(steps['points'])} forwards ({kinds}) timed for `specpilot costmodel`'s "
-              f"prediction_error")
+        kv = f"; KV rate {profile.kv_bandwidth_GBps:.2f} GB/s fitted with batched B = 2, 8" \
+            if profile.kv_bandwidth_GBps else ""
+        print(f"step sweep: {len(steps['points'])} forwards ({kinds}) timed in {steps['rounds']} interleaved rounds "
+              f"for `specpilot costmodel`'s prediction_error{kv}")
     print(f"saved {path}")
     return 0

@@ -86,7 +86,7 @@ class GapBreakdown:
 
 def _verify_parts(step_parts, steps_per_token: float, measured_verify: float | None) -> tuple[list[Gap], list[str]]:
     """Roofline parts of the verify forwards per token, and the host/launch residual."""
-    compute_beyond_memory = max(0.0, step_parts.compute_ms - step_parts.memory_ms)
+    compute_beyond_memory = step_parts.compute_beyond_memory_ms
     parts = [
         Gap("weight reads", "weights", step_parts.weights_ms * steps_per_token),
         Gap("KV reads", "kv", step_parts.kv_ms * steps_per_token),
@@ -164,7 +164,7 @@ def modelled_gaps(hw: HardwareProfile, target: ModelProfile, drafter: Drafter, k
     step = sd_step(hw, target, drafter, k, tau, batch, context, fmt)
     tokens = tau * batch  # generated per step
     v = step.verify
-    compute_beyond_memory = max(0.0, v.compute_ms - v.memory_ms)
+    compute_beyond_memory = v.compute_beyond_memory_ms
     components = (
         Gap("weight reads", "weights", v.weights_ms / tokens),
         Gap("KV reads", "kv", v.kv_ms / tokens),

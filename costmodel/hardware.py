@@ -40,6 +40,11 @@ class HardwareProfile:
     achieved_bandwidth_GBps: float | None = None  # fitted on real forwards; replaces the peak in step times
     achieved_bf16_tflops: float | None = None  # best measured matmul throughput at decode shapes
     achieved_fp32_tflops: float | None = None
+    # Fitted on batched forwards (`profile hardware` with a step sweep): the rate a forward gets through its
+    # requests' KV caches and recurrent state. Set, that traffic is a term of its own after the weights /
+    # compute roofline (attention runs as ops of its own, between the matmuls, and on this CPU moves each
+    # request's cache several times: concatenated, expanded for GQA); None, it shares the memory term.
+    kv_bandwidth_GBps: float | None = None
     measured: dict = field(default_factory=dict)  # raw measurements: curves, validation sweep, threads
 
     def bandwidth_GBps(self) -> float:

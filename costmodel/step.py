@@ -8,6 +8,9 @@ A forward of q new tokens for each of B requests at context L, weights in format
                   layer reads at most its window of the L cached tokens)
                 + recurrent state (read and written once per step, per request)
 
+With a fitted KV rate (`HardwareProfile.kv_bandwidth_GBps`), the KV and state traffic leaves the max:
+time = max(weight bytes / bandwidth, FLOPs / peak) + (KV + state bytes) / kv_bandwidth + overheads.
+
 An SD step = draft + verify (q = k + 1) + bookkeeping, and yields tau tokens per request.
 """
 
@@ -43,14 +46,20 @@ class StepTime:
     state_ms: float
     compute_ms: float
     overhead_ms: float
+    kv_separate: bool = False  # KV and state priced at the profile's fitted KV rate, outside the max
 
     @property
     def memory_ms(self) -> float:
         return self.weights_ms + self.kv_ms + self.state_ms
 
     @property
+    def compute_beyond_memory_ms(self) -> float:
+        """What compute adds to the memory time in the roofline (the gap the compute family owns)."""
+        return max(0.0, self.compute_ms - (self.weights_ms if self.kv_separate else self.memory_ms))
+
+    @property
     def roofline_ms(self) -> float:
-        return max(self.memory_ms, self.compute_ms)
+        return self.memory_ms + self.compute_beyond_memory_ms
 
     @property
     def total_ms(self) -> float:
@@ -58,7 +67,7 @@ class StepTime:
 
     @property
     def bound(self) -> str:
-        return "compute" if self.compute_ms > self.memory_ms else "memory"
+        return "compute" if self.compute_beyond_memory_ms > 0 else "memory"
 
 
 def _check_shape(q: int, batch: int, context: int) -> None:
@@ -82,13 +91,15 @@ def forward_time(hw: HardwareProfile, model: ModelProfile, q: int, batch: int = 
     # Each new token attends to the context plus, on average, half of the other new tokens.
     flops = tokens * model.flops_per_token(context + (q + 1) / 2)
     bw = hw.bandwidth_GBps() * 1e9  # bytes per second
+    kv_bw = (hw.kv_bandwidth_GBps or hw.bandwidth_GBps()) * 1e9
     peak = hw.peak_tflops(COMPUTE_DTYPE[fmt]) * 1e12  # FLOPs per second
     return StepTime(
         q=q, batch=batch, context=context, fmt=fmt,
         weight_bytes=weight_bytes, kv_bytes=kv_bytes, state_bytes=state_bytes, flops=flops,
-        weights_ms=1e3 * weight_bytes / bw, kv_ms=1e3 * kv_bytes / bw, state_ms=1e3 * state_bytes / bw,
+        weights_ms=1e3 * weight_bytes / bw, kv_ms=1e3 * kv_bytes / kv_bw, state_ms=1e3 * state_bytes / kv_bw,
         compute_ms=1e3 * flops / peak,
         overhead_ms=hw.overhead_ms(model.num_layers) if overheads else 0.0,
+        kv_separate=hw.kv_bandwidth_GBps is not None,
     )
 
 

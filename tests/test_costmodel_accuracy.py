@@ -20,8 +20,10 @@ from costmodel.accuracy import (
 )
 from costmodel.cli import add_parser
 from costmodel.deployment import CostDeployment
+from costmodel.fit import fit_profile, predict_ms
+from costmodel.gaps import check_accounting, modelled_gaps
 from costmodel.hardware import HardwareProfile, save_profile
-from costmodel.model_profile import from_config
+from costmodel.model_profile import from_config, load_model_profile
 from costmodel.report import build_report, format_table
 from costmodel.step import Drafter, forward_time
 
@@ -111,7 +113,14 @@ def test_fitted_points_are_not_held_out():
     assert batched[(1, 1)] is False and batched[(4, 1)] is False and all(v for k, v in batched.items() if k[1] > 1)
     assert pe["verify"]["max_abs_rel_error"] == pytest.approx(0.5, abs=1e-3)  # measured 2x: |1 - 2| / 2
     assert pe["max_abs_rel_error_held_out"] == pytest.approx(0.5, abs=1e-3)  # verify q = 2, 8 are held out
-    assert pe["fit_on"]["q"] == [1, 4, 16] and pe["fit_on"]["kind"] == "verify"
+    assert pe["fit_on"]["groups"] == [{"kind": "verify", "q": [1, 4, 16], "batch": [1]}]
+    # A KV rate fitted on batched B = 2, 8 makes those shapes in-sample too.
+    hw.measured["validation"]["kv_fit"] = {"kind": "batched", "samples": [
+        {"q": q, "batch": b, "measured_ms": 1.0} for q in (1, 4) for b in (2, 8)]}
+    pe = prediction_error(hw, dep.target, dep.drafter.model, sweep_for(dep))
+    batched = {(p["q"], p["batch"]): p["held_out"] for p in pe["batched"]["points"]}
+    assert [k for k, v in batched.items() if v] == [(q, b) for q in (1, 4) for b in (4, 16)]
+    assert pe["fit_on"]["groups"][1] == {"kind": "batched", "q": [1, 4], "batch": [2, 8]}
     # The same shapes at another context were not fitted.
     other = prediction_error(hw, dep.target, dep.drafter.model, sweep_for(dep, context=CONTEXT + 1))
     assert all(p["held_out"] for k in STEP_KINDS for p in other[k]["points"])
@@ -145,6 +154,42 @@ def test_report_and_table_carry_the_prediction_error():
     other = StepSweep.from_dict({**sweep_for(dep).as_dict(), "target_fingerprint": "someone-else"})
     with pytest.raises(ValueError, match="measured on toy"):
         build_report(dep, tau=2.0, steps=other)
+
+
+# -- the KV rate: its own term, fitted on batched forwards ----------------------------------------
+
+
+def test_kv_rate_is_a_term_of_its_own():
+    m = load_model_profile("llama-3.1-8b")
+    shared = HardwareProfile("x", 1000.0, 10.0, None, 0.0, fixed_overhead_ms=1.0)
+    alone = HardwareProfile("x", 1000.0, 10.0, None, 0.0, fixed_overhead_ms=1.0, kv_bandwidth_GBps=250.0)
+    a, b = forward_time(shared, m, 4, 16, 1024), forward_time(alone, m, 4, 16, 1024)
+    assert a.compute_ms > a.memory_ms  # compute-bound: the shared roofline hides the KV under compute
+    assert a.total_ms == pytest.approx(1.0 + a.compute_ms)
+    assert b.kv_ms == pytest.approx(a.kv_ms * 4)  # a quarter of the bandwidth
+    assert b.total_ms == pytest.approx(1.0 + max(b.weights_ms, b.compute_ms) + b.kv_ms + b.state_ms)
+    assert b.roofline_ms == pytest.approx(b.memory_ms + b.compute_beyond_memory_ms)
+    dep = CostDeployment("x", alone, m, Drafter("model", load_model_profile("llama-3.1-8b", 1)), 3, 8, 1024)
+    check_accounting(modelled_gaps(alone, m, dep.drafter, 3, 2.5, 8, 1024))  # the parts still add up
+
+
+def test_fit_recovers_the_kv_rate_from_batched_samples():
+    m = load_model_profile("llama-3.1-8b")
+    base = HardwareProfile("base", 1000.0, 100.0, None, 0.0)
+    truth = HardwareProfile("truth", 1000.0, 100.0, None, 0.0, fixed_overhead_ms=3.0, kv_bandwidth_GBps=125.0)
+    verify = [(q, 1, 1024, 0.0) for q in (1, 2, 4, 8, 16)]
+    batched = [(q, b, 1024, 0.0) for q in (1, 4) for b in (2, 8)]
+    verify, batched = ([(q, b, c, t) for (q, b, c, _), t in zip(s, predict_ms(truth, m, s), strict=True)]
+                       for s in (verify, batched))
+    # These samples are all memory-bound, so the peak is not fitted (nothing here could tell it).
+    fit = fit_profile(base, m, verify, fit_peak=False, bandwidth_range=(0.5, 2.0), kv_samples=batched)
+    assert fit.profile.kv_bandwidth_GBps == pytest.approx(125.0, rel=0.15)
+    assert fit.median_abs_rel_error < 0.02 and len(fit.predicted_ms) == 9
+    held = [(q, b, 1024, 0.0) for q in (1, 4) for b in (4, 16)]
+    for p, t in zip(predict_ms(fit.profile, m, held), predict_ms(truth, m, held), strict=True):
+        assert p == pytest.approx(t, rel=0.05)
+    plain = fit_profile(base, m, verify, bandwidth_range=(0.5, 2.0), peak_range=(0.5, 1.5))
+    assert plain.profile.kv_bandwidth_GBps is None and plain.kv_bandwidth_scale is None
 
 
 # -- CLI: a stored profile's sweep, and one-line errors --------------------------------------------
@@ -223,5 +268,8 @@ def test_profile_step_sweep_on_a_tiny_model(tmp_path):
     target = from_config(json.loads((tmp_path / "tiny" / "config.json").read_text()), "tiny")
     pe = prediction_error(hw, target, target, sweep)
     assert not any(p["held_out"] for p in pe["verify"]["points"])  # the fit's own samples
-    assert all(p["held_out"] for p in pe["batched"]["points"] if p["batch"] > 1)
+    assert [(p["q"], p["batch"]) for p in pe["batched"]["points"] if p["held_out"]] == \
+        [(q, b) for q in (1, 4) for b in (4, 16)]  # B = 2, 8 fitted the KV rate
+    assert hw.kv_bandwidth_GBps > 0 and set(sweep.extra["probe_ms"]) == {"1_layer", "4_layers"}
+    assert hw.measured["tiny_forward_ms"] == sweep.extra["probe_ms"]
     assert pe["draft"]["points"][0]["measured_ms"] > 0

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from costmodel.accuracy import STEP_POINTS, StepPoint, StepSweep
-from costmodel.fit import fit_profile
+from costmodel.accuracy import KV_FIT_BATCH_SIZES, STEP_POINTS, StepPoint, StepSweep
+from costmodel.fit import fit_profile, median_abs_rel_error
 from costmodel.hardware import LOCAL, PROFILE_REPEATS, HardwareError, HardwareProfile
 from costmodel.model_profile import load_model_profile
 
@@ -95,7 +95,7 @@ def _verify_step(model, prompt: torch.Tensor, new: torch.Tensor) -> Callable[[],
 def measure_steps(target: Path | str, drafter: Path | str | None = None, context: int = 256,
                   dtype: str = "bfloat16", seconds_budget: float = 4.0, threads: int | None = None,
                   models: tuple | None = None, extra_verify_qs: tuple[int, ...] = (),
-                  min_rounds: int = 3) -> StepSweep:
+                  min_rounds: int = 3, probes: dict | None = None) -> StepSweep:
     """Time the step model's points (costmodel/accuracy.py: STEP_POINTS) on the Hugging Face forward of
     `target` (and `drafter` for the draft points; without it they are skipped) at `context` cached tokens,
     on `threads` torch threads (None: as set). `models` passes the (target, drafter) modules already loaded.
@@ -103,7 +103,9 @@ def measure_steps(target: Path | str, drafter: Path | str | None = None, context
     Every point has its own prefilled cache; after a warm-up round, rounds time each point once in turn
     until the budget is spent (at least `min_rounds`), and a point's time is the median of its rounds: a
     burst of load on a shared machine then lands on all points alike instead of on whichever was being
-    timed. ar and verify q = 1 are the same shape timed apart: their gap shows the noise."""
+    timed. ar and verify q = 1 are the same shape timed apart: their gap shows the noise. `probes` (name ->
+    model) are timed in the same rounds at q = 1 onto 32 cached tokens, into extra["probe_ms"]: the tiny
+    models whose times split the overhead into a fixed and a per-layer part, measured beside the rest."""
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     fmt = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
     points = [p for p in STEP_POINTS if drafter is not None or p.role == "target"]
@@ -115,7 +117,7 @@ def measure_steps(target: Path | str, drafter: Path | str | None = None, context
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    times: dict[StepPoint, list[float]] = {p: [] for p in points}
+    times: dict[StepPoint | str, list[float]] = {p: [] for p in points}
     try:
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -126,7 +128,12 @@ def measure_steps(target: Path | str, drafter: Path | str | None = None, context
                 vocab = model.config.vocab_size
                 prompt = torch.randint(0, vocab, (p.batch, context), generator=gen)  # [B, L]
                 steps[p] = _verify_step(model, prompt, torch.randint(0, vocab, (p.batch, p.q), generator=gen))
-                steps[p]()  # warm-up
+            for name, model in (probes or {}).items():
+                vocab = model.config.vocab_size
+                steps[name] = _verify_step(model, torch.randint(0, vocab, (1, 32)), torch.randint(0, vocab, (1, 1)))
+            times.update({name: [] for name in probes or {}})
+            for step in steps.values():
+                step()  # warm-up
             start = time.perf_counter()
             rounds = 0
             while rounds < min_rounds or time.perf_counter() - start < seconds_budget:
@@ -145,7 +152,8 @@ def measure_steps(target: Path | str, drafter: Path | str | None = None, context
         measured_ms={p: 1000 * statistics.median(times[p]) for p in points},
         drafter=str(drafter) if drafter is not None else None,
         drafter_fingerprint=drafter_profile.fingerprint if drafter_profile else None, threads=used,
-        extra={"rounds": rounds, "seconds": round(time.perf_counter() - t0, 2),
+        extra={**({"probe_ms": {n: round(1000 * statistics.median(times[n]), 4) for n in probes}} if probes else {}),
+               "rounds": rounds, "seconds": round(time.perf_counter() - t0, 2),
                "load_avg": round(os.getloadavg()[0], 2), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -166,7 +174,7 @@ def measure_cpu_local(model_dir: Path | str | None = None, seconds_budget: float
         raise HardwareError(f"seconds budget {seconds_budget}: must be positive (about 10 s is enough)")
     if steps and model_dir is None:
         raise HardwareError("a step sweep needs the model to time; pass model_dir")
-    if steps:  # the step sweep holds the verify sweep: its verify points are the fit's samples
+    if steps:  # the step sweep holds the verify sweep and the tiny models: its points are the fit's samples
         share = {"copy": 0.1, "matmul": 0.25, "layers": 0.15, "model": 0.5}
     elif model_dir:
         share = {"copy": 0.15, "matmul": 0.35, "layers": 0.2, "model": 0.3}
@@ -186,9 +194,20 @@ def measure_cpu_local(model_dir: Path | str | None = None, seconds_budget: float
     # overhead, so their times give a fixed and a per-layer part. With a model dir, the per-layer part
     # is refitted on the real model (fit_profile), whose layers are wider than the tiny ones.
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    layer_budget = seconds_budget * share["layers"] / 2
-    t1 = _forward_ms(_tiny_llama(1), 1, 32, layer_budget, dtype=torch_dtype)
-    t4 = _forward_ms(_tiny_llama(4), 1, 32, layer_budget, dtype=torch_dtype)
+    sweep = None
+    if steps:  # the tiny models are timed inside the step sweep, under the same load as the forwards they split
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, local_files_only=True).eval()
+        drafter = None if drafter_dir is None else AutoModelForCausalLM.from_pretrained(
+            str(drafter_dir), dtype=torch_dtype, local_files_only=True).eval()
+        tiny = {"1_layer": _tiny_llama(1).to(torch_dtype), "4_layers": _tiny_llama(4).to(torch_dtype)}
+        budget = seconds_budget * (share["model"] + share["layers"])
+        sweep = measure_steps(model_dir, drafter_dir, context, dtype, budget, models=(model, drafter),
+                              extra_verify_qs=qs, probes=tiny)
+        t1, t4 = sweep.extra["probe_ms"]["1_layer"], sweep.extra["probe_ms"]["4_layers"]
+    else:
+        layer_budget = seconds_budget * share["layers"] / 2
+        t1 = _forward_ms(_tiny_llama(1), 1, 32, layer_budget, dtype=torch_dtype)
+        t4 = _forward_ms(_tiny_llama(4), 1, 32, layer_budget, dtype=torch_dtype)
     per_layer = max(0.0, (t4 - t1) / 3)
     fixed = max(0.0, t1 - per_layer)
 
@@ -208,30 +227,41 @@ def measure_cpu_local(model_dir: Path | str | None = None, seconds_budget: float
         model_dir = Path(model_dir)
 
         target = load_model_profile(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, local_files_only=True).eval()
-        if steps:
-            drafter = None if drafter_dir is None else AutoModelForCausalLM.from_pretrained(
-                str(drafter_dir), dtype=torch_dtype, local_files_only=True).eval()
-            sweep = measure_steps(model_dir, drafter_dir, context, dtype, seconds_budget * share["model"],
-                                  models=(model, drafter), extra_verify_qs=qs)
-            profile.measured["steps"] = sweep.as_dict()
+        kv_samples: list[tuple[int, int, int, float]] = []
+        if sweep is not None:
             measured_ms = [round(sweep.measured_ms[StepPoint("verify", q)], 4) for q in qs]
+            kv_samples = [(p.q, p.batch, context, round(ms, 4)) for p, ms in sweep.measured_ms.items()
+                          if p.kind == "batched" and p.batch in KV_FIT_BATCH_SIZES]
         else:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype,
+                                                         local_files_only=True).eval()
             q_budget = seconds_budget * share["model"] / len(qs)
             measured_ms = [round(_forward_ms(model, q, context, q_budget), 4) for q in qs]
         fmt = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
         samples = [(q, 1, context, m) for q, m in zip(qs, measured_ms, strict=True)]
         # Fit the per-forward overhead, and the bandwidth and matmul rate a real forward achieves
         # (weights that fit in the CPU's last-level cache stream faster than a copy; small HF matmuls
-        # run slower or faster than the [q, 1024] x [1024, 4096] probe), near the probed values.
-        fit = fit_profile(profile, target, samples, fmt, bandwidth_range=(0.25, 16.0), peak_range=(0.25, 2.0))
+        # run slower or faster than the [q, 1024] x [1024, 4096] probe), near the probed values. With
+        # batched samples, the KV rate too; the weights then stream no slower than a copy (below it the
+        # fit trades weight time for overhead, which these samples cannot tell apart).
+        fit = fit_profile(profile, target, samples, fmt, bandwidth_range=(1.0 if kv_samples else 0.25, 16.0),
+                          peak_range=(0.25, 2.0), kv_samples=kv_samples)
         profile = fit.profile
+        verify_predicted = fit.predicted_ms[: len(samples)]
         profile.measured["validation"] = {
             "model": str(model_dir), "fingerprint": target.fingerprint, "format": fmt, "context": context,
             "batch": 1, "q": list(qs), "measured_ms": measured_ms,
-            "predicted_ms": [round(p, 4) for p in fit.predicted_ms],
-            "median_abs_rel_error": round(fit.median_abs_rel_error, 4),
+            "predicted_ms": [round(p, 4) for p in verify_predicted],
+            "median_abs_rel_error": round(median_abs_rel_error(verify_predicted, measured_ms), 4),
         }
+        if kv_samples:  # fitted together with the verify sweep: in-sample for prediction_error
+            profile.measured["validation"]["kv_fit"] = {
+                "kind": "batched", "samples": [{"q": q, "batch": b, "measured_ms": m} for q, b, _, m in kv_samples],
+                "predicted_ms": [round(p, 4) for p in fit.predicted_ms[len(samples):]],
+                "kv_bandwidth_GBps": profile.kv_bandwidth_GBps,
+            }
+        if sweep is not None:
+            profile.measured["steps"] = sweep.as_dict()
     profile.measured["seconds"] = round(time.perf_counter() - t_start, 2)
     return profile
 
