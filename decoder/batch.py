@@ -35,6 +35,7 @@ from decoder.lean import LeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.tree import read_tree_result, tree_result
+from decoder.verify import argmax_tokens
 
 
 @dataclass
@@ -434,7 +435,7 @@ class BatchEngine:
         if self.cfg.temperature > 0:
             probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
             return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
-        return logits.argmax(dim=-1)
+        return argmax_tokens(logits)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -522,7 +523,7 @@ class BatchEngine:
         if sampled:
             n, toks = self._rejection_accept(logits, flat_idx, draft, qprobs, R, W, ks)
         else:
-            pred = logits.argmax(-1)  # [T]
+            pred = argmax_tokens(logits)  # [T]
             if flat_idx is not None:
                 toks = torch.full((R * W,), -1, dtype=torch.long, device=dev)
                 toks[flat_idx] = pred
@@ -597,7 +598,7 @@ class BatchEngine:
                 p = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
                 nxt = torch.multinomial(p, 1, generator=self.gen).squeeze(-1)
             else:
-                p, nxt = None, logits.argmax(-1)
+                p, nxt = None, argmax_tokens(logits)
             keep = [m for m, r in enumerate(idx) if ks[r] > j]
             if len(keep) != len(idx):
                 kt = torch.tensor(keep, device=dev)

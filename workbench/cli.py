@@ -113,7 +113,7 @@ def _batch_bench(args: argparse.Namespace, target: Path, drafter: Path | None, p
         deployment=deployment, prompt_dir=prompt_dir, drafters=drafters, draft_len=args.draft_len,
         ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         dtype=args.dtype, device=args.device, limit=args.limit, progress=not args.quiet, repeats=args.repeats,
-        methods=methods, drafters_root=Path(args.drafters) if args.drafters else None,
+        methods=methods, drafters_root=Path(args.drafters) if args.drafters else None, schedule=args.batch_schedule,
     )
     if args.out:  # first: minutes of measurement are never lost to a display problem
         write_atomic(args.out, json.dumps(report, indent=2))
@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-drafters", help="with --batch-sizes: draft-model, ngram or both (default: both)")
     b.add_argument("--batch-methods", help="with --batch-sizes: bench methods to run batched against batched AR "
                    "(e.g. sd-tree,sd-two-level,sd-dcut,sd-mtp); alone, instead of the drafter x mechanism grid")
+    b.add_argument("--batch-schedule", action="store_true",
+                   help="with --batch-sizes: per drafter, choose the draft length per batch size from measurements "
+                        "(0 = AR steps) and run that load_schedule against batched AR, instead of the mechanism grid")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
