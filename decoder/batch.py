@@ -477,13 +477,19 @@ class BatchEngine:
         k_of = dict.fromkeys(rect, 0)
         k_of.update(zip(live, lens, strict=True))
         drafts: dict[int, Draft] = {}
-        if self.per_request:  # each request's own proposer; a tree's size is its node count
+        if self.per_request:  # each request's own proposer, batched per class; a tree's size is its node count
+            by_class: dict[type, list[int]] = {}
             for i in live:
                 if k_of[i] > 0:
-                    f0 = slots[i].proposer.forwards
-                    drafts[i] = slots[i].proposer.propose(slots[i].tokens, k_of[i])
-                    slots[i].stats.drafter_forwards += slots[i].proposer.forwards - f0
-                    k_of[i] = drafts[i].size
+                    by_class.setdefault(type(slots[i].proposer), []).append(i)
+            for cls, idx in by_class.items():
+                f0 = [slots[i].proposer.forwards for i in idx]
+                got = cls.propose_many([slots[i].proposer for i in idx], [slots[i].tokens for i in idx],
+                                       [k_of[i] for i in idx])
+                for i, d, f in zip(idx, got, f0, strict=True):
+                    drafts[i] = d
+                    slots[i].stats.drafter_forwards += slots[i].proposer.forwards - f
+                    k_of[i] = d.size
         kmax = max(k_of.values())
         ks = [k_of[i] for i in rect]
         draft = torch.full((R, kmax), -2, dtype=torch.long, device=dev)  # [R, kmax]; -2 never matches

@@ -368,6 +368,27 @@ class MTPState(FeatureState):
         hid = self.m.hidden(self.h, F.embedding(last[0], self.embed))[:n]  # [n, D]
         return F.linear(hid, self.lm_head).max(-1).indices
 
+    @classmethod
+    @torch.inference_mode()
+    def propose_many(cls, proposers: list[Proposer], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
+        """Every request's heads in one batched forward: [R, D] hidden states and last tokens through the
+        heads, one LM-head matmul for the R x n rows; proposers that share one model (the engine's)."""
+        groups: dict[int, list[int]] = {}
+        for i, pr in enumerate(proposers):
+            groups.setdefault(id(pr.m), []).append(i)
+        out: list[Draft | None] = [None] * len(proposers)
+        for idx in groups.values():
+            first = proposers[idx[0]]
+            n = min(max(ks[i] for i in idx), first.c.num_heads)
+            h = torch.stack([proposers[i].h for i in idx])  # [R, D]
+            last = torch.tensor([tokens[i][-1] for i in idx], device=first.device)  # [R]
+            hid = first.m.hidden(h, F.embedding(last, first.embed))[:, :n]  # [R, n, D]
+            toks = F.linear(hid, first.lm_head).max(-1).indices  # [R, n]
+            for r, i in enumerate(idx):
+                proposers[i].forwards += 1
+                out[i] = Draft(toks[r, : min(ks[i], first.c.num_heads)])
+        return out
+
 
 # ------------------------------------------------------------------------------------------- router
 

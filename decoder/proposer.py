@@ -7,6 +7,8 @@ lookup, D-cut, tree and two-level, block and MTP feature drafters — is a propo
   prompt (only for a proposer with `capture`, else None);
 - `propose(tokens, k) -> Draft`: up to k tokens after the committed sequence `tokens` (as a chain,
   or as a tree of nodes whose parents precede them; a chain is a tree of width one);
+- `propose_many(proposers, tokens, ks)` (a classmethod): the batched engine's drafting for many requests at
+  once, each draft as `propose` gives it; a class that can batch its forward overrides it;
 - `accepted(tokens, verdict)` after verification: `tokens` is the committed sequence after the step,
   `verdict` says which draft nodes the target accepted, so the proposer can roll its state back.
 
@@ -59,6 +61,13 @@ class Proposer:
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         raise NotImplementedError
+
+    @classmethod
+    def propose_many(cls, proposers: list[Proposer], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
+        """`propose` for several requests of the batched engine, all proposers of this class: one draft
+        each, as `propose` would give it. A class that can draft for many requests in one batched forward
+        overrides this (MTP heads); the default asks each in turn."""
+        return [pr.propose(t, k) for pr, t, k in zip(proposers, tokens, ks, strict=True)]
 
     def accepted(self, tokens: list[int], verdict: Verdict) -> None:
         """Roll the proposer's state forward to the committed sequence `tokens`."""

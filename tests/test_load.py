@@ -258,3 +258,34 @@ def test_serve_answers_a_batch_with_each_request_s_greedy_tokens(tmp_path, model
     assert "batch must be a list of 1 to 256 prompts" in ans[4]["error"]
     assert ans[5]["error"].startswith("bad request:") and "\n" not in ans[5]["error"]
     assert ans[6]["tokens"] == refs[0]
+
+
+def test_mtp_heads_draft_for_every_request_in_one_batched_forward(models, monkeypatch):
+    """MTPState.propose_many gives each request the draft its own `propose` gives, from one call of the
+    heads for all of them; the batched engine drafts that way (one heads call per step, not one per request)."""
+    import torch
+
+    from decoder.featdraft import FeatureHeads, MTPConfig, MTPHeads, MTPState
+    from decoder.lean import LeanLM
+
+    target, _ = models
+    torch.manual_seed(0)
+    heads = FeatureHeads(None, target.config, torch.float32, torch.device("cpu"))
+    heads.set_model("mtp", MTPHeads(MTPConfig(64, [1], 96, num_heads=4), target.model.norm.weight).eval())
+    lean = LeanLM(target)
+    states = []
+    for i in range(5):
+        st = heads.new_state("mtp", lean)
+        st.reset(PROMPTS[i], torch.randn(3, 64, generator=torch.Generator().manual_seed(i)))
+        states.append(st)
+    tokens, ks = [PROMPTS[i] for i in range(5)], [4, 2, 3, 4, 1]
+    one_by_one = [st.propose(t, k).tokens.tolist() for st, t, k in zip(states, tokens, ks, strict=True)]
+    assert [d.tokens.tolist() for d in MTPState.propose_many(states, tokens, ks)] == one_by_one
+    calls = []
+    real = MTPHeads.hidden
+    monkeypatch.setattr(MTPHeads, "hidden", lambda self, h, e: calls.append(h.shape) or real(self, h, e))
+    cfg = DecodeConfig(max_new_tokens=12, dtype="float32", stop_at_eos=False, lean_forward=True, drafter="mtp",
+                       draft_len=3)
+    run = BatchEngine(target, cfg, 4, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(PROMPTS[:4])])
+    assert [r.tokens for r in run.results] == [t[:12] for t in _refs(target, 12)[:4]]
+    assert calls and calls[0] == (4, 64) and len(calls) == run.steps
