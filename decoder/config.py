@@ -175,6 +175,8 @@ class DecodeConfig:
     dcut: bool = False  # cut the draft where the product of drafter top-1 probs < dcut_threshold (cap draft_len)
     dcut_threshold: float = 0.02  # the best measured on the demo (README), with draft_len = 6
     # Mechanism domain-routing (drafter = "routed"): the drafter each domain's requests get.
+    # Mechanism draft-vocab: the MTP heads score only the draft_vocab most frequent tokens (0 = the full head).
+    draft_vocab: int = 0
     route_code: str = "mtp"  # the demo's measured best for both domains (README: feature drafters)
     route_prose: str = "mtp"
     dtype: str = "bfloat16"
@@ -250,6 +252,11 @@ class DecodeConfig:
                 raise bad("dcut", "D-cut reads the draft model's probabilities; set drafter = 'draft-model'")
             if self.verify != "chain":
                 raise bad("dcut", "D-cut cuts a chain draft; use verify = 'chain' (trees already expand by confidence)")
+        if self.draft_vocab and not 64 <= self.draft_vocab <= 262144:
+            raise bad("draft_vocab", "use 0 (the full head) or 64 to 262144 tokens")
+        if self.draft_vocab and self.drafter not in ("mtp", "routed"):
+            raise bad("draft_vocab", "only the MTP heads have a pruned head yet; set drafter = 'mtp' or "
+                                     "draft_vocab = 0")
         for key in ("route_code", "route_prose"):
             if getattr(self, key) not in ROUTABLE:
                 raise bad(key, f"choose one of {', '.join(ROUTABLE)}")

@@ -40,6 +40,9 @@ from decoder.proposer import Draft, Proposer, Verdict
 DOMAINS = ("code", "prose")
 
 
+VOCAB_RANK_FILE = "vocab_rank.json"  # token ids by corpus frequency (`specpilot train drafter --kind vocab`)
+
+
 class FeatureDrafterError(RuntimeError):
     """A feature drafter is missing or does not fit the target; the message names the path and the fix."""
 
@@ -347,9 +350,13 @@ class MTPState(FeatureState):
 
     name = "mtp"
 
-    def __init__(self, model: MTPHeads, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, model: MTPHeads, embed: torch.Tensor, lm_head: torch.Tensor,
+                 vocab_ids: torch.Tensor | None = None) -> None:
         self.m, self.c = model, model.c
-        self.embed, self.lm_head = embed, lm_head
+        self.embed = embed
+        # A pruned head (draft_vocab): `lm_head` holds only the frequent sub-vocabulary's rows, `vocab_ids`
+        # their token ids (the drafted index maps back through it).
+        self.lm_head, self.vocab_ids = lm_head, vocab_ids
         self.device = embed.device
         self.capture = tuple(model.c.target_layers)
         self.h: torch.Tensor | None = None
@@ -366,16 +373,19 @@ class MTPState(FeatureState):
         n = min(k, self.c.num_heads)  # a draft longer than the heads is cut to them
         self.forwards += 1
         hid = self.m.hidden(self.h, F.embedding(last[0], self.embed))[:n]  # [n, D]
-        return F.linear(hid, self.lm_head).max(-1).indices
+        return self._ids(F.linear(hid, self.lm_head).max(-1).indices)
+
+    def _ids(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.vocab_ids is None else self.vocab_ids[idx]
 
     @classmethod
     @torch.inference_mode()
     def propose_many(cls, proposers: list[Proposer], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
         """Every request's heads in one batched forward: [R, D] hidden states and last tokens through the
         heads, one LM-head matmul for the R x n rows; proposers that share one model (the engine's)."""
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, pr in enumerate(proposers):
-            groups.setdefault(id(pr.m), []).append(i)
+            groups.setdefault((id(pr.m), id(pr.vocab_ids)), []).append(i)
         out: list[Draft | None] = [None] * len(proposers)
         for idx in groups.values():
             first = proposers[idx[0]]
@@ -383,7 +393,7 @@ class MTPState(FeatureState):
             h = torch.stack([proposers[i].h for i in idx])  # [R, D]
             last = torch.tensor([tokens[i][-1] for i in idx], device=first.device)  # [R]
             hid = first.m.hidden(h, F.embedding(last, first.embed))[:, :n]  # [R, n, D]
-            toks = F.linear(hid, first.lm_head).max(-1).indices  # [R, n]
+            toks = first._ids(F.linear(hid, first.lm_head).max(-1).indices)  # [R, n]
             for r, i in enumerate(idx):
                 proposers[i].forwards += 1
                 out[i] = Draft(toks[r, : min(ks[i], first.c.num_heads)])
@@ -485,7 +495,10 @@ class FeatureHeads:
         self.dtype, self.device = dtype, device
         self._models: dict[str, nn.Module] = {}
         self._router: DomainRouter | None = None
-        self._states: dict[tuple[str, int], object] = {}
+        self._states: dict[tuple[str, int, int], object] = {}
+        self._rank: list[int] | None = None
+        self._vocab_ids: dict[int, torch.Tensor] = {}
+        self._pruned: dict[tuple[int, int], torch.Tensor] = {}
 
     def model(self, kind: str) -> nn.Module:
         if kind not in self._models:
@@ -510,18 +523,50 @@ class FeatureHeads:
             self._router = DomainRouter.load(path)
         return self._router
 
-    def state(self, kind: str, lean_target):
+    def set_vocab_rank(self, ids: list[int]) -> None:
+        """The token ranking a pruned head reads (instead of `<root>/vocab_rank.json`)."""
+        self._rank, self._vocab_ids, self._pruned = list(ids), {}, {}
+        self._states = {k: v for k, v in self._states.items() if k[2] == 0}
+
+    def vocab_ids(self, n: int) -> torch.Tensor | None:
+        """The `n` most frequent token ids (ascending) for a pruned drafter head; None for n = 0 (full head)."""
+        if n == 0:
+            return None
+        if n not in self._vocab_ids:
+            if self._rank is None:
+                path = self.root / VOCAB_RANK_FILE if self.root is not None else None
+                if path is None or not path.exists():
+                    raise FeatureDrafterError(f"draft_vocab = {n} needs the target's token ranking at {path}; make "
+                                              f"it with `specpilot train drafter --kind vocab --target DIR`, or set "
+                                              f"draft_vocab = 0")
+                self._rank = [int(t) for t in json.loads(path.read_text())["ids"]]
+            vocab = self.target_config.vocab_size
+            if len(self._rank) != vocab:
+                raise FeatureDrafterError(f"the token ranking has {len(self._rank)} ids, the target's vocabulary "
+                                          f"{vocab}: remake it with `specpilot train drafter --kind vocab`")
+            self._vocab_ids[n] = torch.tensor(sorted(self._rank[:n]), dtype=torch.long, device=self.device)
+        return self._vocab_ids[n]
+
+    def state(self, kind: str, lean_target, draft_vocab: int = 0):
         """The decode-time state of drafter `kind` over the lean target's embedding and LM head; built
-        once per (kind, target) and reset by each generation (its buffers and fused weights are reused)."""
-        key = (kind, id(lean_target))
+        once per (kind, target, pruned head) and reset by each generation (its buffers and fused weights are
+        reused)."""
+        key = (kind, id(lean_target), draft_vocab)
         st = self._states.get(key)
         if st is None:
-            st = self._states[key] = self.new_state(kind, lean_target)
+            st = self._states[key] = self.new_state(kind, lean_target, draft_vocab)
         return st
 
-    def new_state(self, kind: str, lean_target) -> BlockState | MTPState:
-        """A fresh decode-time state of drafter `kind` (one per request under batching)."""
+    def new_state(self, kind: str, lean_target, draft_vocab: int = 0) -> BlockState | MTPState:
+        """A fresh decode-time state of drafter `kind` (one per request under batching); `draft_vocab` > 0
+        scores only that many of the most frequent tokens (MTP; lossless: the target verifies)."""
         m = self.model(kind)
         if kind == "block":
             return BlockState(m, lean_target.embed, lean_target.lm_head, lean_target.max_len)
-        return MTPState(m, lean_target.embed, lean_target.lm_head)
+        ids = self.vocab_ids(draft_vocab)
+        if ids is None:
+            return MTPState(m, lean_target.embed, lean_target.lm_head)
+        key = (id(lean_target.lm_head), draft_vocab)
+        if key not in self._pruned:  # one pruned copy of the head per target, shared by every request's state
+            self._pruned[key] = lean_target.lm_head[ids].contiguous()
+        return MTPState(m, lean_target.embed, self._pruned[key], ids)

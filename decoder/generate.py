@@ -92,7 +92,7 @@ def make_proposer(cfg: DecodeConfig, drafter_model=None, device: torch.device | 
         if heads is None:
             raise ValueError(f"drafter = {cfg.drafter!r} needs the target's feature drafters (FeatureHeads); "
                              f"serve loads them from <target>/drafters")
-        return heads.state(cfg.drafter, target)
+        return heads.state(cfg.drafter, target, cfg.draft_vocab if cfg.drafter == "mtp" else 0)
     if cfg.drafter == "ngram":
         return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
     if drafter_model is None:

@@ -109,6 +109,16 @@ REGISTRY: dict[str, Mechanism] = {m.name: m for m in (
         requires={"method": "sd"},
     ),
     Mechanism(
+        name="draft-vocab", family="drafting",
+        keys={"draft_vocab": (0, 512, 1024, 2048)},
+        stock={"draft_vocab": 0},
+        applies="MTP heads whose LM-head matmul over the full vocabulary is most of their drafting cost (a small "
+                "hidden size against a large vocabulary)",
+        summary="the heads score only the most frequent tokens of the target's corpus (a ranking made by "
+                "`specpilot train drafter --kind vocab`); lossless, since the target verifies every draft",
+        requires={"method": "sd", "drafter": "mtp", "lean_forward": True},
+    ),
+    Mechanism(
         name="tree-verify", family="acceptance",
         keys={"verify": ("chain", "tree"), "tree_shape": ("dynamic", "2,2,1,1", "3,2,1,1", "4,2,1,1", "2,2,2,1,1"),
               "tree_topk": (2, 3, 4, 6, 8), "tree_depth": (3, 4, 5, 6, 8), "tree_budget": (8, 12, 16, 24, 32, 48)},

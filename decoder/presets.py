@@ -40,6 +40,7 @@ PRESETS: dict[str, dict] = {
     # Mechanisms block-drafter, mtp-heads and domain-routing.
     "sd-block": {"lean_forward": True, "drafter": "block", "draft_len": BLOCK_DRAFT_LEN},
     "sd-mtp": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN},
+    "sd-mtp-vocab": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "draft_vocab": 1024},
     "sd-routed": {"lean_forward": True, "drafter": "routed", "draft_len": MTP_DRAFT_LEN},
 }
 

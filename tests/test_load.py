@@ -289,3 +289,32 @@ def test_mtp_heads_draft_for_every_request_in_one_batched_forward(models, monkey
     run = BatchEngine(target, cfg, 4, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(PROMPTS[:4])])
     assert [r.tokens for r in run.results] == [t[:12] for t in _refs(target, 12)[:4]]
     assert calls and calls[0] == (4, 64) and len(calls) == run.steps
+
+
+def test_a_pruned_mtp_head_drafts_only_frequent_tokens_and_stays_lossless(models):
+    """draft_vocab: the heads score only the ranking's top tokens; every draft token lies in them, and the
+    output is the target's greedy one, alone and batched; a missing ranking is a one-line error with the fix."""
+    import torch
+
+    from decoder.featdraft import FeatureDrafterError, FeatureHeads, MTPConfig, MTPHeads
+    from decoder.lean import LeanLM
+
+    target, _ = models
+    torch.manual_seed(0)
+    heads = FeatureHeads(None, target.config, torch.float32, torch.device("cpu"))
+    heads.set_model("mtp", MTPHeads(MTPConfig(64, [1], 96, num_heads=4), target.model.norm.weight).eval())
+    cfg = DecodeConfig(max_new_tokens=16, dtype="float32", stop_at_eos=False, lean_forward=True, drafter="mtp",
+                       draft_len=4, draft_vocab=64)
+    with pytest.raises(FeatureDrafterError, match="train drafter --kind vocab"):
+        generate(cfg, target, PROMPTS[0], heads=heads)
+    rank = list(range(95, -1, -1))  # "most frequent" = the highest ids
+    heads.set_vocab_rank(rank)
+    st = heads.new_state("mtp", LeanLM(target), 64)
+    st.reset(PROMPTS[0], torch.randn(2, 64))
+    assert set(st.propose(PROMPTS[0], 4).tokens.tolist()) <= set(rank[:64])
+    refs = _refs(target, 16)
+    assert [generate(cfg, target, p, heads=heads).tokens for p in PROMPTS] == refs
+    run = BatchEngine(target, cfg, 4, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(PROMPTS)])
+    assert [r.tokens for r in run.results] == refs
+    with pytest.raises(ConfigError, match="draft_vocab = 10"):
+        DecodeConfig(drafter="mtp", lean_forward=True, draft_vocab=10)

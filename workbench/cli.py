@@ -135,11 +135,11 @@ def _tree_settings(args: argparse.Namespace, cls):
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter, train_router
+    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter, train_router, train_vocab_rank
     from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir
 
     if args.kind is None:
-        return fail("train drafter: --kind is required (block, mtp or router)")
+        return fail("train drafter: --kind is required (block, mtp, router or vocab)")
     target = Path(args.target) if args.target else DEMO_DIR / "target"
     try:
         check_model_dir(target, "target")
@@ -147,6 +147,9 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         return fail(str(e))
     if args.kind == "router":
         print(json.dumps(train_router(target, Path(args.out) if args.out else None, seed=args.seed)))
+        return 0
+    if args.kind == "vocab":
+        print(json.dumps(train_vocab_rank(target, Path(args.out) if args.out else None)))
         return 0
     # The committed demo recipe: block 3500 steps; MTP 6 heads, 8000 steps (cheap per step).
     spec = DrafterSpec(kind=args.kind, seed=args.seed, steps=3500 if args.kind == "block" else 8000,
@@ -298,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="output (demo: root, default the package's demo assets; drafter: its "
                                  "directory, default TARGET/drafters/KIND, router: TARGET/drafters/router.json)")
     t.add_argument("--work-dir", help="checkpoints and caches (default: build/train-demo, build/train-drafter)")
-    t.add_argument("--kind", choices=("block", "mtp", "router"), help="drafter: what to train")
+    t.add_argument("--kind", choices=("block", "mtp", "router", "vocab"),
+                   help="drafter: what to train (vocab: the token frequency ranking a pruned drafter head uses)")
     t.add_argument("--target", help="drafter: the target's local model directory (default: the demo target)")
     t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
     t.add_argument("--steps", type=int, help="drafter: optimiser steps (default: block 3500, mtp 8000)")

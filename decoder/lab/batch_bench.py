@@ -211,10 +211,14 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
     bar.close()
     sched_rows = []
     if schedule:
-        for d in sd_cfgs:
-            sched_rows.append(measure_schedule(timed, replace(sd_cfgs[d], ragged_verify=True, continuous_batching=True),
-                                               replace(base, method="ar", ragged_verify=True, continuous_batching=True),
-                                               batch_sizes, repeats, progress))
+        scheduled = {**sd_cfgs, **{m: replace(c, max_new_tokens=max_new_tokens, dtype=dtype, device=device,
+                                              ngram_max=ngram_max, ngram_min=ngram_min)
+                                   for m, c in method_cfgs.items() if c.method == "sd" and c.verify == "chain"}}
+        for name, c in scheduled.items():
+            row = measure_schedule(timed, replace(c, ragged_verify=True, continuous_batching=True),
+                                   replace(base, method="ar", ragged_verify=True, continuous_batching=True),
+                                   batch_sizes, repeats, progress)
+            sched_rows.append({"name": name, **row})
     return {
         "deployment": deployment,
         "prompts": prompts_name,
@@ -314,8 +318,8 @@ def format_batch_table(report: dict) -> str:
                      f"({r['speedup_vs_batched_ar']:.2f}x batched AR), tau {r['tau']:.2f}, "
                      f"{r['unexplained_mismatches']} unexplained")
     for sc in report.get("schedule", []):
-        lines.append(f"scheduled {sc['drafter']} (load_schedule = \"{sc['load_schedule']}\", ragged+continuous) "
-                     f"against batched AR:")
+        lines.append(f"scheduled {sc.get('name', sc['drafter'])} (load_schedule = \"{sc['load_schedule']}\", "
+                     f"ragged+continuous) against batched AR:")
         lines += [f"  B={pt['batch_size']}: draft {pt['draft_len']}, {pt['sd_tokens_per_s']:.1f} vs "
                   f"{pt['ar_tokens_per_s']:.1f} tok/s = {pt['speedup']:.2f}x, "
                   f"{pt['unexplained_mismatches']} unexplained"

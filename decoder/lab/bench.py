@@ -22,6 +22,7 @@ from tqdm import tqdm
 from decoder.capabilities import refusal
 from decoder.config import DecodeConfig, verify_width
 from decoder.contract import near_tie
+from decoder.featdraft import VOCAB_RANK_FILE
 from decoder.generate import generate
 from decoder.models import (
     ModelLoadError,
@@ -54,7 +55,7 @@ HF_TREE_METHODS = ("sd-tree-hf", "sd-two-level-hf")
 # Mechanisms block-drafter, mtp-heads and domain-routing (decoder/featdraft.py): drafters that read the
 # target's hidden states, on the lean forward; their speedup_vs_ar is against ar-lean. They need the
 # target's trained feature drafters (TARGET/drafters or --drafters); the default set skips them without.
-FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-routed")
+FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-mtp-vocab", "sd-routed")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = ALL_METHODS + W12_METHODS
@@ -111,7 +112,7 @@ class FeatureSettings:
     def overrides(self, name: str) -> dict:
         if name == "sd-block":
             return {"draft_len": self.block_draft_len}
-        if name == "sd-mtp":
+        if name in ("sd-mtp", "sd-mtp-vocab"):
             return {"draft_len": self.mtp_draft_len}
         if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
             return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
@@ -381,6 +382,9 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         elif name in FEATURE_METHODS and not heads_root.is_dir():
             why = (f"no feature drafters at {heads_root}; train them with `specpilot train drafter --kind "
                    f"{'block' if name == 'sd-block' else 'mtp'} --target {target_dir}`")
+        elif name == "sd-mtp-vocab" and not (heads_root / VOCAB_RANK_FILE).exists():
+            why = (f"no token ranking at {heads_root / VOCAB_RANK_FILE}; make it with `specpilot train drafter "
+                   f"--kind vocab --target {target_dir}`")
         elif name in ("hf-assisted-draft-model", "hf-prompt-lookup") and recurrent_layers(target_cfg):
             why = (f"transformers' assisted generation does not support stateful models "
                    f"({', '.join(recurrent_layers(target_cfg))} layers); SpecPilot's own methods roll them back")
@@ -450,7 +454,8 @@ def run_bench(
         root = Path(feature.drafters) if feature.drafters else drafters_dir(target_dir)
         heads = FeatureHeads(root, target.config, target.dtype, target.device)
         try:  # load now: a missing drafter is a usage error, not a crash mid-bench
-            wanted = {m.removeprefix("sd-") for m in methods if m in ("sd-block", "sd-mtp")}
+            wanted = {m.removeprefix("sd-").removesuffix("-vocab") for m in methods
+                      if m in ("sd-block", "sd-mtp", "sd-mtp-vocab")}
             if "sd-routed" in methods:
                 wanted |= {r for r in (feature.route_code, feature.route_prose) if r in ("block", "mtp")}
                 heads.router()
@@ -538,7 +543,7 @@ def run_bench(
                                           if res.stats.draft_steps else None)
             if name in FEATURE_METHODS:
                 entry["draft_len"] = (feature.block_draft_len if name == "sd-block" else
-                                      feature.mtp_draft_len if name == "sd-mtp" else None)
+                                      feature.mtp_draft_len if name in ("sd-mtp", "sd-mtp-vocab") else None)
                 if name == "sd-routed":
                     entry["routes"] = dict(sorted(res.stats.routes.items()))
                     entry["route_us_per_request"] = round(1e6 * res.stats.route_s / max(1, len(res.outputs)), 2)

@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from decoder.contract import data_dir
 from decoder.featdraft import (
+    VOCAB_RANK_FILE,
     BlockDrafter,
     BlockDrafterConfig,
     DomainRouter,
@@ -448,3 +450,31 @@ def train_router(target_dir: Path, out_path: Path | None = None, seed: int = 0, 
     print(f"[router] val accuracy {router.recipe['val_accuracy']}, prompt sets {prompt_acc}, "
           f"{route_us:.0f} us per route", file=sys.stderr)
     return router.recipe
+
+
+# ------------------------------------------------------------------------------------------ vocab rank
+
+
+def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upweight: int = 3) -> dict:
+    """The token frequency ranking a pruned drafter head reads (`draft_vocab`): every token id of the target's
+    vocabulary, most frequent first in the training split of the corpus (ties by id), and the share of the
+    validation split's tokens that the top 512 / 1024 / 2048 cover. Written to `<target>/drafters/vocab_rank.json`."""
+    from decoder.models import model_config
+
+    target_dir = Path(target_dir)
+    out_path = Path(out_path) if out_path else drafters_dir(target_dir) / VOCAB_RANK_FILE
+    vocab = int(model_config(target_dir, "target")["vocab_size"])
+    streams = corpus_streams(target_dir, data_dir() / "drafters" / f"vocab-{target_dir.name}", prose_upweight)
+    counts = np.bincount(streams["train"].astype(np.int64), minlength=vocab)[:vocab]
+    order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))
+    val = np.bincount(streams["val"].astype(np.int64), minlength=vocab)[:vocab]
+    cover = {str(n): round(float(val[order[:n]].sum() / max(1, val.sum())), 4) for n in (512, 1024, 2048)}
+    out = {"ids": order, "source": "corpus train split token counts (decoder/lab/corpus.py)",
+           "train_tokens": int(streams["train"].size), "val_coverage": cover}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out) + "\n")
+    os.replace(tmp, out_path)
+    print(f"[vocab] {out_path}: {vocab} tokens ranked over {out['train_tokens']} training tokens; validation "
+          f"coverage of the top 512/1024/2048: {cover}", file=sys.stderr)
+    return {"path": str(out_path), "val_coverage": cover, "train_tokens": out["train_tokens"]}
