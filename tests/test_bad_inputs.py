@@ -1,6 +1,9 @@
 """Bring-your-own-model inputs that used to crash, hang or write the wrong file (#23): each ends in one line
 on stderr naming the value and the fix, with the documented exit status, before any work and with no output
-file left behind. Every case runs the real command in a subprocess, on tiny random models in tmp_path."""
+file left behind. Every case runs the real command's `main` outside the test process, on tiny random models
+in a temporary folder: the `specpilot` runs all in one child interpreter (`cli_runs.run_many`: each run's
+stdout and stderr captured at the file descriptors, as a process of its own), the others each in a
+subprocess of their own (another environment, or a protocol on stdin)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_many
 from conftest import tiny_llama, write_jsonl
 
 from costmodel.cli import PROFILE_NAME
@@ -65,52 +69,78 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"target": target, "corrupt": corrupt, "narrow": narrow, "prompts": prompts}
 
 
-def _bench(models: dict, out: Path, *argv: str) -> subprocess.CompletedProcess:
+def _bench(models: dict, out: Path, *argv: str) -> list[str]:
     """`specpilot bench` on the tiny prompts, writing --out `out` (which no failure may leave behind)."""
-    return _run("bench", "--prompts", str(models["prompts"]), "--max-new-tokens", "4", "--quiet", "--dtype",
-                "float32", "--out", str(out), *argv)
+    return ["bench", "--prompts", str(models["prompts"]), "--max-new-tokens", "4", "--quiet", "--dtype", "float32",
+            "--out", str(out), *argv]
 
 
-def test_corrupt_weights_are_one_line(models, tmp_path):
-    out = tmp_path / "report.json"
-    line = _one_line(_bench(models, out, "--target", str(models["corrupt"]), "--methods", "ar"), EXIT_USAGE,
-                     str(models["corrupt"]), "failed to load", "SafetensorError", "re-download")
-    assert "\n" not in line and not out.exists()
-
-
-def test_a_prompt_file_that_is_not_utf8(models, tmp_path):
-    bad = tmp_path / "latin1.jsonl"
+@pytest.fixture(scope="module")
+def cli(models, tmp_path_factory) -> dict:
+    """Every `specpilot` case's inputs in a folder of its own, and its run (all in one child interpreter)."""
+    root = tmp_path_factory.mktemp("cli")
+    d = {n: root / n for n in ("corrupt", "latin1", "narrow", "out", "tokens", "no-target", "force")}
+    for f in d.values():
+        f.mkdir()
+    bad = d["latin1"] / "latin1.jsonl"
     bad.write_bytes('{"id": "a", "text": "caf\xe9"}\n'.encode("latin-1"))
-    out = tmp_path / "report.json"
-    proc = _run("bench", "--target", str(models["target"]), "--prompts", str(bad), "--methods", "ar", "--out", str(out))
-    _one_line(proc, EXIT_USAGE, str(bad), "not UTF-8", "0xe9", "save the file as UTF-8")
-    assert not out.exists()
+    ws = init_demo(d["force"] / "ws", forcing_max_new_tokens=4, prompt_limit=3, hidden=1,
+                   limits={"start_s": 60, "request_s": 10})
+    ws.create_branch("cand")
+    ws.close()
+    toml = d["force"] / "ws" / "specpilot.toml"
+    entry = json.dumps([sys.executable, "-c", "raise SystemExit(7)"])
+    toml.write_text("\n".join(f"entry = {entry}" if ln.startswith("entry = ") else ln
+                              for ln in toml.read_text().splitlines()) + "\n")
+    target = str(models["target"])
+    runs = {
+        "corrupt": _bench(models, d["corrupt"] / "report.json", "--target", str(models["corrupt"]), "--methods", "ar"),
+        "latin1": ["bench", "--target", target, "--prompts", str(bad), "--methods", "ar", "--out",
+                   str(d["latin1"] / "report.json")],
+        "narrow": _bench(models, d["narrow"] / "report.json", "--target", target, "--drafter", str(models["narrow"]),
+                         "--methods", "sd-draft-model"),
+        "out-missing": _bench(models, d["out"] / "no-such-folder" / "report.json", "--target", target, "--methods",
+                              "ar"),
+        "out-folder": _bench(models, d["out"], "--target", target, "--methods", "ar"),
+        "tokens-huge": _bench(models, d["tokens"] / "report.json", "--target", target, "--methods", "ar",
+                              "--max-new-tokens", "1000000000"),
+        "tokens-1000": _bench(models, d["tokens"] / "report.json", "--target", target, "--methods", "ar",
+                              "--max-new-tokens", "1000"),
+        "no-target": _bench(models, d["no-target"] / "report.json", "--drafter", target, "--methods", "ar"),
+        "force": ["force", "--workspace", str(d["force"] / "ws"), "--branch", "cand", "--quiet"],
+    }
+    return {"dirs": d, "bad": bad, "runs": run_many("workbench.cli", runs)}
 
 
-def test_a_drafter_with_another_vocabulary_is_refused_before_decoding(models, tmp_path):
-    out = tmp_path / "report.json"
-    proc = _bench(models, out, "--target", str(models["target"]), "--drafter", str(models["narrow"]),
-                  "--methods", "sd-draft-model")
-    _one_line(proc, EXIT_USAGE, str(VOCAB - 144), str(VOCAB), "drafter")
-    assert not out.exists()
+def test_corrupt_weights_are_one_line(models, cli):
+    line = _one_line(cli["runs"]["corrupt"], EXIT_USAGE, str(models["corrupt"]), "failed to load", "SafetensorError",
+                     "re-download")
+    assert "\n" not in line and not (cli["dirs"]["corrupt"] / "report.json").exists()
 
 
-def test_out_is_checked_before_the_bench_runs(models, tmp_path):
-    missing = tmp_path / "no-such-folder" / "report.json"
-    proc = _bench(models, missing, "--target", str(models["target"]), "--methods", "ar")
+def test_a_prompt_file_that_is_not_utf8(cli):
+    _one_line(cli["runs"]["latin1"], EXIT_USAGE, str(cli["bad"]), "not UTF-8", "0xe9", "save the file as UTF-8")
+    assert not (cli["dirs"]["latin1"] / "report.json").exists()
+
+
+def test_a_drafter_with_another_vocabulary_is_refused_before_decoding(cli):
+    _one_line(cli["runs"]["narrow"], EXIT_USAGE, str(VOCAB - 144), str(VOCAB), "drafter")
+    assert not (cli["dirs"]["narrow"] / "report.json").exists()
+
+
+def test_out_is_checked_before_the_bench_runs(cli):
+    missing = cli["dirs"]["out"] / "no-such-folder" / "report.json"
+    proc = cli["runs"]["out-missing"]
     _one_line(proc, EXIT_USAGE, str(missing.parent), "does not exist")
     assert proc.stdout == "" and not missing.parent.exists()
-    _one_line(_bench(models, tmp_path, "--target", str(models["target"]), "--methods", "ar"), EXIT_USAGE,
-              "is a folder")
+    _one_line(cli["runs"]["out-folder"], EXIT_USAGE, "is a folder")
 
 
-def test_max_new_tokens_is_bounded(models, tmp_path):
-    out = tmp_path / "report.json"
-    _one_line(_bench(models, out, "--target", str(models["target"]), "--methods", "ar", "--max-new-tokens",
-                     "1000000000"), EXIT_USAGE, "--max-new-tokens 1000000000", "at most 65536")
+def test_max_new_tokens_is_bounded(cli):
+    out = cli["dirs"]["tokens"] / "report.json"
+    _one_line(cli["runs"]["tokens-huge"], EXIT_USAGE, "--max-new-tokens 1000000000", "at most 65536")
     # The tiny target holds 256 positions (config.json max_position_embeddings), the prompt some of them.
-    line = _one_line(_bench(models, out, "--target", str(models["target"]), "--methods", "ar", "--max-new-tokens",
-                            "1000"), EXIT_USAGE, "--max-new-tokens 1000", "256 positions", "use at most")
+    line = _one_line(cli["runs"]["tokens-1000"], EXIT_USAGE, "--max-new-tokens 1000", "256 positions", "use at most")
     assert not out.exists(), line
 
 
@@ -145,22 +175,11 @@ def test_serve_refuses_a_nan_temperature(models, tmp_path):
             DecodeConfig(**{key: value})
 
 
-def test_drafter_without_target_is_an_error(models, tmp_path):
-    out = tmp_path / "report.json"
-    proc = _bench(models, out, "--drafter", str(models["target"]), "--methods", "ar")
-    _one_line(proc, EXIT_USAGE, f"--drafter {models['target']}", "needs --target")
-    assert not out.exists()
+def test_drafter_without_target_is_an_error(models, cli):
+    _one_line(cli["runs"]["no-target"], EXIT_USAGE, f"--drafter {models['target']}", "needs --target")
+    assert not (cli["dirs"]["no-target"] / "report.json").exists()
 
 
-def test_force_on_a_crashing_stock_exits_with_the_crash_status(tmp_path):
-    ws = init_demo(tmp_path / "ws", forcing_max_new_tokens=4, prompt_limit=3, hidden=1,
-                   limits={"start_s": 60, "request_s": 10})
-    ws.create_branch("cand")
-    ws.close()
-    toml = tmp_path / "ws" / "specpilot.toml"
-    entry = json.dumps([sys.executable, "-c", "raise SystemExit(7)"])
-    toml.write_text("\n".join(f"entry = {entry}" if ln.startswith("entry = ") else ln
-                              for ln in toml.read_text().splitlines()) + "\n")
-    proc = _run("force", "--workspace", str(tmp_path / "ws"), "--branch", "cand", "--quiet")
-    _one_line(proc, EXIT_CRASH, "stock crashed", "status 7", "specpilot.toml")
+def test_force_on_a_crashing_stock_exits_with_the_crash_status(cli):
+    _one_line(cli["runs"]["force"], EXIT_CRASH, "stock crashed", "status 7", "specpilot.toml")
     assert EXIT_CRASH == 3  # README: force exits 0 lossless, 1 mismatch, 3 crash/rejected

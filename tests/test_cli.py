@@ -1,19 +1,50 @@
-"""Bad input gets one clear line on stderr and exit status 2 (run as a real subprocess)."""
+"""Bad input gets one clear line on stderr and exit status 2 (each case the real `specpilot` main, captured as a
+process of its own: all in one child interpreter, `cli_runs.run_many`)."""
 
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
-from conftest import needs_demo, write_jsonl
+from cli_runs import run_many
+from conftest import demo_available, needs_demo, write_jsonl
 
 from decoder.models import DEMO_DIR
 
+HELP = {"help": ["--help"], "bench-help": ["bench", "--help"], "train-help": ["train", "--help"]}
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp) -> dict[str, subprocess.CompletedProcess]:
+    """Every case's inputs, then every case run (the demo-model cases where the demo models exist)."""
+    cases = {
+        "max-new-tokens-zero": ["bench", "--max-new-tokens", "0"],
+        "missing-model-dir": ["bench", "--target", str(tmp / "nope"), "--prompts", "code"],
+        "unknown-method": ["bench", "--methods", "ar,warp-drive", "--max-new-tokens", "4"],
+        **HELP,
+    }
+    if demo_available():
+        bad = write_jsonl(tmp / "bad.jsonl", [{"id": "a", "text": "def f():\n"}, "{not json"])
+        bad2 = write_jsonl(tmp / "bad2.jsonl", [{"id": "a", "body": "x"}])
+        other = tmp / "other-drafter"
+        shutil.copytree(DEMO_DIR / "drafter", other)
+        tj = json.loads((other / "tokenizer.json").read_text())
+        vocab = tj["model"]["vocab"]
+        a, b = "def", "class"
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (other / "tokenizer.json").write_text(json.dumps(tj))
+        cases |= {
+            "malformed-json": ["bench", "--prompts", str(bad)],
+            "malformed-row": ["bench", "--prompts", str(bad2)],
+            "different-tokenizers": ["bench", "--target", str(DEMO_DIR / "target"), "--drafter", str(other),
+                                     "--prompts", "code"],
+        }
+    return run_many("workbench.cli", cases)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -26,41 +57,31 @@ def _one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
-def test_max_new_tokens_zero():
-    _one_error_line(_run("bench", "--max-new-tokens", "0"), "--max-new-tokens", "0")
+def test_max_new_tokens_zero(runs):
+    _one_error_line(runs["max-new-tokens-zero"], "--max-new-tokens", "0")
 
 
-def test_missing_model_dir(tmp_path):
-    missing = tmp_path / "nope"
-    _one_error_line(_run("bench", "--target", str(missing), "--prompts", "code"), str(missing), "does not exist")
-
-
-@needs_demo
-def test_malformed_prompt_file(tmp_path):
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "text": "def f():\n"}, "{not json"])
-    _one_error_line(_run("bench", "--prompts", str(bad)), "bad.jsonl:2", "not valid JSON")
-    bad2 = write_jsonl(tmp_path / "bad2.jsonl", [{"id": "a", "body": "x"}])
-    _one_error_line(_run("bench", "--prompts", str(bad2)), "bad2.jsonl:1", '"text"')
+def test_missing_model_dir(runs, tmp):
+    missing = tmp / "nope"
+    _one_error_line(runs["missing-model-dir"], str(missing), "does not exist")
 
 
 @needs_demo
-def test_different_tokenizers(tmp_path):
-    other = tmp_path / "other-drafter"
-    shutil.copytree(DEMO_DIR / "drafter", other)
-    tj = json.loads((other / "tokenizer.json").read_text())
-    vocab = tj["model"]["vocab"]
-    a, b = "def", "class"
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tj))
-    _one_error_line(_run("bench", "--target", str(DEMO_DIR / "target"), "--drafter", str(other), "--prompts", "code"),
-                    "different tokenizers")
+def test_malformed_prompt_file(runs):
+    _one_error_line(runs["malformed-json"], "bad.jsonl:2", "not valid JSON")
+    _one_error_line(runs["malformed-row"], "bad2.jsonl:1", '"text"')
 
 
-def test_unknown_method():
-    _one_error_line(_run("bench", "--methods", "ar,warp-drive", "--max-new-tokens", "4"), "warp-drive")
+@needs_demo
+def test_different_tokenizers(runs):
+    _one_error_line(runs["different-tokenizers"], "different tokenizers")
 
 
-@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"], ["train", "--help"]])
-def test_help(args):
-    proc = _run(*args)
+def test_unknown_method(runs):
+    _one_error_line(runs["unknown-method"], "warp-drive")
+
+
+@pytest.mark.parametrize("case", list(HELP))
+def test_help(runs, case):
+    proc = runs[case]
     assert proc.returncode == 0 and "usage" in proc.stdout
