@@ -94,21 +94,6 @@ def ws(tmp_path_factory):
     w.close()
 
 
-def gaps_known_for_the_base(ws, branch: str) -> None:
-    """The fixture's recorded gaps stand for the loop's current base too (saved as `Loop.gaps` saves a
-    profile), so a launch reuses them instead of profiling: earlier tests (the merge) move the base
-    past stock, and profiling it again would cost a system start and a timed run, outside what the
-    launch tests check. Profiling itself is covered by the loop's tests."""
-    from workbench.loop import BASE_BRANCH
-
-    base = ws.rev(BASE_BRANCH) if BASE_BRANCH in git.Repo(ws.path).heads else ws.stock_commit
-    path = ws.state / "gaps" / f"{base}.json"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"commit": base, "label": f"launch of {branch}", "measured_at": time.time(),
-                                    **GAPS}))
-
-
 def app_for(ws, **kw):
     from workbench.tui.app import make_app
 
@@ -549,8 +534,6 @@ def test_log_follows_the_store(ws):
 def test_launch_steer_stop_an_llm_agent(ws, llm_stub):
     from workbench.tui.screens import ConfirmScreen, TextInputScreen
 
-    gaps_known_for_the_base(ws, "tui-llm-drafting-1")
-
     async def go():
         app = app_for(ws)
         async with app.run_test(notifications=True, size=(120, 40)) as pilot:
@@ -584,7 +567,6 @@ def test_launch_steer_stop_an_llm_agent(ws, llm_stub):
 
 
 def test_quit_with_an_agent_running_marks_it_interrupted(ws, llm_stub):
-    gaps_known_for_the_base(ws, "tui-llm-drafting-2")
 
     async def go():
         app = app_for(ws)
