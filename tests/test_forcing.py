@@ -18,7 +18,9 @@ from pathlib import Path
 import git
 import pytest
 
+from tests.cli_runs import run_many
 from tests.conftest import needs_demo
+from workbench.cli import main as cli_main
 from workbench.export import export, record_mechanism
 from workbench.forcing import force, run_system, stock_reference
 from workbench.harness import sandbox_status
@@ -83,12 +85,15 @@ def test_init_makes_a_stock_commit_and_refuses_a_used_folder(ws, tmp_path):
         init_demo(tmp_path)
 
 
-def test_stock_forces_clean_through_the_cli(ws):
+def test_stock_forces_clean_through_the_cli(ws, capfd):
+    """`specpilot force --json` through the CLI's own main, in this process: the command's parsing, its report
+    and the store are what is checked (the child processes are the harness's, as from a shell)."""
     ws.create_branch("same-as-stock")
-    r = subprocess.run([sys.executable, "-m", "workbench.cli", "force", "--workspace", str(ws.path), "--branch",
-                        "same-as-stock", "--json", "--quiet"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout)
+    capfd.readouterr()
+    rc = cli_main(["force", "--workspace", str(ws.path), "--branch", "same-as-stock", "--json", "--quiet"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    rep = json.loads(out)
     assert rep["match_rate"] == 1.0 and rep["mismatches"] == [] and rep["status"] == "keep"
     assert rep["positions_checked"] == sum(len(p["stock"]) for p in stock_reference(ws, False)["prompts"])
     assert set(rep["splits"]) == {"visible", "hidden"}
@@ -379,20 +384,20 @@ def test_the_candidate_environment_has_no_secrets(monkeypatch, tmp_path):
 
 
 def test_cli_init_and_branch_errors_are_one_line(tmp_path):
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
-                              timeout=120)
-
-    r = cli("init", "demo", str(tmp_path / "w"), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["workspace"] == str((tmp_path / "w").resolve())
-    r = cli("branch", "create", "bad name", "--workspace", str(tmp_path / "w"))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not allowed" in r.stderr
-    r = cli("force", "--workspace", str(tmp_path / "w"), "--branch", "nope")
-    assert r.returncode == 2 and "no branch named 'nope'" in r.stderr
-    r = cli("branch", "create", "b", "--workspace", str(tmp_path / "w"))
-    assert r.returncode == 0
-    r = cli("branch", "list", "--workspace", str(tmp_path / "w"), "--json")
-    assert [b["name"] for b in json.loads(r.stdout)] == ["b"]
+    w = str(tmp_path / "w")
+    r = run_many("workbench.cli", {  # one after another, each captured as a process of its own
+        "init": ["init", "demo", w, "--json"],
+        "bad-name": ["branch", "create", "bad name", "--workspace", w],
+        "no-branch": ["force", "--workspace", w, "--branch", "nope"],
+        "create": ["branch", "create", "b", "--workspace", w],
+        "list": ["branch", "list", "--workspace", w, "--json"],
+    }, timeout=300)
+    assert r["init"].returncode == 0 and json.loads(r["init"].stdout)["workspace"] == str((tmp_path / "w").resolve())
+    assert r["bad-name"].returncode == 2 and r["bad-name"].stderr.count("\n") == 1
+    assert "not allowed" in r["bad-name"].stderr
+    assert r["no-branch"].returncode == 2 and "no branch named 'nope'" in r["no-branch"].stderr
+    assert r["create"].returncode == 0
+    assert [b["name"] for b in json.loads(r["list"].stdout)] == ["b"]
 
 
 def test_accepting_in_a_workspace_carries_the_mechanism_to_the_global_memory(ws):
