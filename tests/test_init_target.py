@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_runs import run_many
 from conftest import write_jsonl
 
 from decoder.models import DEMO_DIR
@@ -85,8 +86,21 @@ def m(tmp_path_factory):
                            latin1=latin1, bad_json=bad_json, dup=dup, a_file=a_file)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def cli(m, tmp_path_factory) -> dict:
+    """The journey's two `specpilot init` command lines, each into a folder of its own, run one after the other
+    in one child interpreter (`cli_runs.run_many`: each captured as a process of its own)."""
+    root = tmp_path_factory.mktemp("cli")
+    good, bad = root / "good", root / "bad"
+    good.mkdir()
+    bad.mkdir()
+    runs = run_many("workbench.cli", {
+        "good": ["init", "--target", str(m.target), "--drafter", str(m.drafter), "--prompts", str(m.jsonl), "--name",
+                 "my-model", "--json", str(good / "ws")],
+        "bad": ["init", "--target", str(m.target), "--drafter", str(m.other_tok), "--prompts", str(m.jsonl),
+                str(bad / "ws")],
+    })
+    return {"good": (good, runs["good"]), "bad": (bad, runs["bad"])}
 
 
 def _one_line(stderr: str, *needles: str) -> str:
@@ -111,10 +125,9 @@ def _listing(folder: Path) -> list[str]:
 # -- the user's journey, through real processes ------------------------------------------------------
 
 
-def test_init_with_a_drafter_through_the_cli(m, tmp_path):
+def test_init_with_a_drafter_through_the_cli(m, cli):
+    tmp_path, r = cli["good"]
     ws_path = tmp_path / "ws"
-    r = _cli("init", "--target", str(m.target), "--drafter", str(m.drafter), "--prompts", str(m.jsonl),
-             "--name", "my-model", "--json", str(ws_path))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["workspace"] == str(ws_path.resolve()) and out["name"] == "my-model"
@@ -165,10 +178,8 @@ def test_init_without_a_drafter_drafts_with_ngrams_and_forces_clean(m, tmp_path,
 # -- bad input: one line, exit 2, nothing created ----------------------------------------------------
 
 
-def test_a_bad_drafter_through_the_cli_is_one_line_and_leaves_nothing(m, tmp_path):
-    ws_path = tmp_path / "ws"
-    r = _cli("init", "--target", str(m.target), "--drafter", str(m.other_tok), "--prompts", str(m.jsonl),
-             str(ws_path))
+def test_a_bad_drafter_through_the_cli_is_one_line_and_leaves_nothing(cli):
+    tmp_path, r = cli["bad"]
     assert r.returncode == 2
     _one_line(r.stderr, "different tokenizers")
     assert _listing(tmp_path) == []
