@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo bench loop-demo test test-slow lint train-demo train-drafters clean
+.PHONY: setup demo bench loop-demo test test-slow lint train-demo train-drafters llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,21 @@ loop-demo: setup
 test: setup
 	$(PY) -m pytest -q -n auto --dist loadfile
 
-test-slow: setup
+test-slow: setup llama-cpp
 	$(PY) -m pytest -q -m slow
+
+# llama.cpp, the engine users run (issue #19): the llama-cpp-python sdist fetched with pip, its vendored
+# llama.cpp built once per version into $$SPECPILOT_DATA_DIR/engines/llama.cpp-<version>/ (default
+# ~/.local/share/specpilot) and shared by every clone, then the demo target and drafter converted to GGUF
+# (f32, bf16) beside it. About 7 minutes on 2 free cores the first time (18 on a loaded one); a no-op after.
+# Not part of `make test`.
+LLAMA_CPP_JOBS ?= 2
+$(VENV)/.llamacpp-installed: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e ".[dev,llamacpp]"
+	touch $@
+
+llama-cpp: $(VENV)/.llamacpp-installed
+	$(PY) -m decoder.engines.llamacpp_build all --jobs $(LLAMA_CPP_JOBS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
