@@ -1,6 +1,8 @@
 """`specpilot`: engine commands for scripts and CI.
 
-Errors a user can cause print one line on stderr (`error: ...`) and exit with status 2.
+Errors a user can cause print one line on stderr (`error: ...`) and exit with status 2 (`bench --peers llama.cpp`
+without `make llama-cpp` included). `bench --peers`: a peer engine that fails mid-run prints one line naming its
+log and exits with status 3.
 """
 
 from __future__ import annotations
@@ -9,15 +11,20 @@ import argparse
 import json
 import shutil
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from costmodel.cli import add_parser as add_costmodel_parsers
 from decoder.config import MAX_NEW_TOKENS, ConfigError, DecodeConfig
+from decoder.engines import EngineError, EngineNotBuilt
+from decoder.lab.peers import PeerError, PeerGroup, peer_settings
 from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int, quiet_transformers, write_atomic
 from workbench.demo_cli import add_parser as add_demo_parser
 from workbench.memory_cli import add_parser as add_memory_parser
 from workbench.w12_cli import add_parser as add_w12_parser
 from workbench.workspace_cli import add_parser as add_workspace_parsers
+
+EXIT_ENGINE = 3  # bench --peers: a peer engine failed mid-run
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -27,6 +34,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     why = check_out_file("--out", args.out) if args.out else None  # before minutes of measurement, not after
     if why:
         return fail(why)
+    if args.peers:
+        peers = _peer_settings(args)
+        if isinstance(peers, int):
+            return peers
+    else:
+        peers = None
     from decoder.lab.bench import (
         ALL_METHODS,
         BenchError,
@@ -56,16 +69,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                      if getattr(args, f, None) is not None})
         DecodeConfig(lean_forward=True, drafter="routed", route_code=feature.route_code,
                      route_prose=feature.route_prose)  # names a bad route the way a config file would
-        report = run_bench(
-            target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
-            methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len, ngram_max=args.ngram_max,
-            ngram_min=args.ngram_min, dtype=args.dtype,
-            device=args.device, limit=args.limit, progress=not args.quiet,
-            tree=_tree_settings(args, TreeSettings), feature=feature,
-            skip_unsupported=not args.methods,  # the default set runs what this model can; named methods must run
-        )
-    except (BenchError, ModelLoadError, ConfigError) as e:
+        tree = _tree_settings(args, TreeSettings)
+        with ExitStack() as stack:
+            group = stack.enter_context(PeerGroup(peers)) if peers is not None else None
+            report = run_bench(
+                target, drafter, args.prompts, args.max_new_tokens, deployment=deployment, prompt_dir=prompt_dir,
+                methods=methods, draft_len=args.draft_len, ngram_draft_len=args.ngram_draft_len,
+                ngram_max=args.ngram_max, ngram_min=args.ngram_min, dtype=args.dtype,
+                device=args.device, limit=args.limit, progress=not args.quiet,
+                tree=tree, feature=feature,
+                skip_unsupported=not args.methods,  # the default set runs what this model can; named methods must run
+                peers=group,
+            )
+    except (BenchError, ModelLoadError, ConfigError, PeerError, EngineNotBuilt) as e:
         return fail(str(e))
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ENGINE
     if args.out:  # first: minutes of measurement are never lost to a display problem
         write_atomic(args.out, json.dumps(report, indent=2))
     if args.json:
@@ -73,6 +93,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
     return 0
+
+
+def _peer_settings(args: argparse.Namespace):
+    """PeerSettings for `bench --peers`, or the exit status of a one-line error (checked before any model loads:
+    a missing llama.cpp build says to run `make llama-cpp`)."""
+    if args.batch_sizes:
+        return fail("--peers: not with --batch-sizes (llama.cpp runs one request at a time here); drop one")
+    if args.target:
+        return fail(f"--peers: GGUFs exist for --deployment demo only, not --target {args.target}; drop --peers")
+    names = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    types = (tuple(t.strip() for t in args.peer_spec_types.split(",") if t.strip())
+             if args.peer_spec_types else None)
+    try:
+        return peer_settings(names, args.deployment, args.dtype, types, args.draft_len)
+    except (PeerError, EngineNotBuilt) as e:
+        return fail(str(e))
 
 
 def _check_max_new_tokens(args: argparse.Namespace, target: Path, prompt_dir: Path | None) -> None:
@@ -274,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0 = AR steps) and run that load_schedule against batched AR, instead of the mechanism grid")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
+    b.add_argument("--peers", help="other engines in the same interleaved run: llama.cpp (build it with `make "
+                   "llama-cpp`; --deployment demo): its AR and every speculative type that runs, each with "
+                   "ratio_vs_llama_cpp_ar and checked against llama.cpp AR's output")
+    b.add_argument("--peer-spec-types", help="with --peers llama.cpp: only these --spec-type values (e.g. "
+                   "draft-simple,ngram-simple; default: every type that runs for the deployment)")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.add_argument("--out", help="also write the JSON report to this file")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

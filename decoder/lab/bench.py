@@ -24,6 +24,8 @@ from decoder.config import DecodeConfig, verify_width
 from decoder.contract import near_tie
 from decoder.featdraft import VOCAB_RANK_FILE
 from decoder.generate import generate
+from decoder.lab.peers import LLAMA_AR, PeerGroup, check_against_ar, is_peer, peer_entry
+from decoder.lab.peers import runner as peer_runner
 from decoder.models import (
     ModelLoadError,
     check_model_dir,
@@ -65,6 +67,8 @@ VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12"}
 
 
 def _baseline(name: str) -> str:
+    if is_peer(name):
+        return LLAMA_AR
     if name in TREE_METHODS + FEATURE_METHODS:
         return "ar-lean"
     return VARIANT_BASELINE.get(name.rsplit("-", 1)[-1], "ar")
@@ -422,13 +426,16 @@ def run_bench(
     draft_len: int = 3, ngram_draft_len: int = 8, ngram_max: int = 4, ngram_min: int = 1,
     dtype: str = "bfloat16", device: str = "cpu",
     limit: int | None = None, noise_prompts: int = 4, progress: bool = True, tree: TreeSettings | None = None,
-    feature: FeatureSettings | None = None, skip_unsupported: bool = False,
+    feature: FeatureSettings | None = None, skip_unsupported: bool = False, peers: PeerGroup | None = None,
 ) -> dict:
     """Run every method on every prompt; return the JSON report (see the issue's contract).
 
     A method that cannot run on this target (decoder/capabilities.py: architecture, missing drafter) is a
     one-line BenchError before any work, or, with `skip_unsupported` (the default method set), left out and
-    listed in the report's "skipped" with its reason."""
+    listed in the report's "skipped" with its reason.
+
+    `peers`: running llama.cpp servers (decoder/lab/peers.py, started and stopped by the caller) whose methods
+    join the same interleaved run; every method then also gets `ratio_vs_llama_cpp_ar`."""
     if max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     check_known("--methods", methods, KNOWN_METHODS)
@@ -465,6 +472,9 @@ def run_bench(
             raise BenchError(f"{e} (or drop {', '.join(FEATURE_METHODS)} with --methods)") from e
     bench = Bench(target, drafter, eos, cfg, ngram_draft_len, tree=tree, feature=feature, heads=heads)
     runners = bench.methods(methods)
+    if peers is not None:
+        runners.update({name: peer_runner(server, max_new_tokens) for name, server in peers.servers.items()})
+        skipped = skipped + peers.skipped
     encoded = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
     dev = torch.device(device)
 
@@ -498,6 +508,7 @@ def run_bench(
     floor = noise_floor(target, pairs, k_widths)
     tie_fraction = near_tie_fraction(target, pairs, floor)
     hf = results[REFERENCE]
+    peer_ar = results.get(LLAMA_AR)
     report_methods = []
     for name, res in results.items():
         mismatched, unexplained, divergences = 0, 0, []
@@ -530,6 +541,13 @@ def run_bench(
             "target_forwards_per_token": round(res.stats.target_forwards / max(1, res.tokens), 4),
             "divergences": divergences,
         }
+        if peer_ar is not None:
+            entry["ratio_vs_llama_cpp_ar"] = round(tps / (peer_ar.tokens / peer_ar.seconds), 4)
+        if is_peer(name):
+            check = None if name == LLAMA_AR else check_against_ar(
+                peers.ar, encoded, [p.id for p in prompts], res.outputs, peer_ar.outputs, floor)
+            report_methods.append(peer_entry(entry, res.stats, check, peers.servers[name].spec.flags()))
+            continue
         if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry["target_tokens_per_token"] = round(res.stats.target_tokens / max(1, res.tokens), 4)
@@ -565,7 +583,7 @@ def run_bench(
                     if base == "sd-two-level" else
                     {"dcut": True, "dcut_threshold": c.dcut_threshold, "draft_len": c.draft_len})
         report_methods.append(entry)
-    order = {m: i for i, m in enumerate(KNOWN_METHODS)}
+    order = {m: i for i, m in enumerate(KNOWN_METHODS + tuple(n for n in runners if is_peer(n)))}
     report_methods.sort(key=lambda m: order[m["name"]])
     return {
         "deployment": deployment,
@@ -591,6 +609,8 @@ def run_bench(
                    **({"tree": asdict(tree)} if any(m in TREE_METHODS + HF_TREE_METHODS for m in methods) else {}),
                    **({"feature": asdict(feature)} if any(m in FEATURE_METHODS for m in methods) else {})},
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        **({"peers": peers.info()} if peers is not None else {}),
         **({"w12": bench.w12_footprint} if bench.w12_footprint else {}),
     }
 
@@ -602,17 +622,21 @@ def format_table(report: dict) -> str:
     if report.get("reference_repeated_4gram_fraction") is not None:
         head += (f"\ngreedy output repeats {report['reference_repeated_4gram_fraction']:.0%} of its 4-grams "
                  f"(n-gram and prompt-lookup drafting gain from repeats)")
-    cols = ("method", "tok/s", "vs AR", "vs HF", "tau", "fwd/tok", "accept", "identical", "diverged",
-            "unexplained")
+    peers = report.get("peers")
+    cols = ("method", "tok/s", "vs AR", "vs HF", *(("vs llama.cpp AR",) if peers else ()), "tau", "fwd/tok", "accept",
+            "identical", "diverged", "unexplained")
     rows = []
     for m in report["methods"]:
         acc = m.get("acceptance_rate")
         rows.append((
             m["name"], f"{m['tokens_per_s']:.1f}",
             f"{m['speedup_vs_ar']:.2f}x" if m["speedup_vs_ar"] is not None else "-",
-            f"{m['speedup_vs_hf_greedy']:.2f}x", f"{m['tau']:.2f}", f"{m['target_forwards_per_token']:.3f}",
+            f"{m['speedup_vs_hf_greedy']:.2f}x",
+            *((f"{m['ratio_vs_llama_cpp_ar']:.2f}x",) if peers else ()),
+            f"{m['tau']:.2f}" if m["tau"] is not None else "-",
+            f"{m['target_forwards_per_token']:.3f}" if m["target_forwards_per_token"] is not None else "-",
             f"{acc:.0%}" if acc is not None else "-",
-            "yes" if m["identical_to_hf_greedy"] else "no",
+            "yes" if m.get("identical_to_reference", m["identical_to_hf_greedy"]) else "no",
             str(m["mismatched_prompts"]), str(m["unexplained_mismatches"]),
         ))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
@@ -636,6 +660,17 @@ def format_table(report: dict) -> str:
                      "prose -> {route_prose}".format(**feat) +
                      (f"; routed {routed['routes']} at {routed['route_us_per_request']:.0f} us per request"
                       if routed else ""))
+    if peers:
+        lines.append(f"llama.cpp rows: vs AR is against {peers['reference']}, and identical/diverged/unexplained "
+                     f"check each against {peers['reference']}'s output (its own top-2 margins); "
+                     f"{peers['threads']} threads for llama.cpp, {report.get('torch_threads')} for torch; "
+                     f"{peers['timing']}")
+        ar = next((m for m in report["methods"] if m["name"] == peers["reference"]), None)
+        if ar is not None:
+            v = ar["vs_hf_greedy"]
+            lines.append(f"{peers['reference']} against hf-greedy (two engines' arithmetic, for information): "
+                         f"{v['mismatched_prompts']} of {report['num_prompts']} prompts diverge, "
+                         f"{v['unexplained_mismatches']} beyond the near-tie threshold")
     for sk in report.get("skipped") or []:
         lines.append(f"skipped {sk['name']}: {sk['reason']}")
     if (report.get("near_tie_fraction") or 0.0) > WEAK_CHECK_FRACTION:
