@@ -237,12 +237,11 @@ class TunerAgent:
                 step("tuning final", detail=str(alive[0].changes))
                 with measurement_lock():
                     ratio, at = self._paired_load(sp, base, alive[0].cfg, prompts, min(self.rungs[-1][1], limit))
+                # Per point it is recorded, not judged: two short A B B A sweeps of one batch are too noisy
+                # to hold a point to LOAD_FLOOR; the cascade's paired benchmark (CI, confirmation) does.
                 history.append({"final": alive[0].changes, "paired_ratio": ratio,
-                                **({"points": at} if len(at) > 1 else {})})
-                if len(at) > 1 and min(at.values()) < LOAD_FLOOR:
-                    return AgentResult(False, f"the best config {alive[0].changes} is {ratio:.3f}x in aggregate but "
-                                              f"{min(at.values()):.3f}x at B = {min(at, key=at.get)} (below "
-                                              f"{LOAD_FLOOR}x)", details={"history": history})
+                                **({"points": at, "below_floor": [b for b, r in at.items() if r < LOAD_FLOOR]}
+                                   if len(at) > 1 else {})})
         ctx.log("tuner.done", f"{ctx.direction.family}: tuned", {"history": history})
         if not alive or ratio < self.min_gain:
             return AgentResult(False, f"no config beat the current one by {self.min_gain - 1:.0%} "
