@@ -531,8 +531,22 @@ def test_log_follows_the_store(ws):
     run(go())
 
 
+def machine_profiled_before() -> None:
+    """A quiet cpu-local profile in this test's data dir, as a machine that was profiled before has one: a
+    launch then profiles the base (in file order the merge test has moved it past stock: the fast tier's run
+    of `_profile_gaps`) without measuring the machine first (9 s, twice on a loaded one; measuring is
+    test_loop's ceiling test)."""
+    from costmodel.hardware import LOCAL, HardwareProfile, save_profile
+
+    save_profile(HardwareProfile(LOCAL, mem_bandwidth_GBps=20.0, bf16_tflops=0.2, fp8_tflops=None, l2_MB=2.0,
+                                 fp32_tflops=0.3, source="a test's stand-in for an earlier measurement",
+                                 fixed_overhead_ms=0.5, per_layer_overhead_ms=0.05, measured={"spread": 0.1}))
+
+
 def test_launch_steer_stop_an_llm_agent(ws, llm_stub):
     from workbench.tui.screens import ConfirmScreen, TextInputScreen
+
+    machine_profiled_before()
 
     async def go():
         app = app_for(ws)
