@@ -4,6 +4,7 @@ except at the seams that keep a heavy dependency off a path that must start with
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +35,8 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def _imports(mod: str) -> list[tuple[str, bool, int]]:
+@functools.cache  # the sources do not change during a run; each test walks every module
+def _imports(mod: str) -> tuple[tuple[str, bool, int], ...]:
     """(imported name, inside a function, line) for every import in module `mod`, relative ones resolved."""
     path = MODULES[mod]
     tree = ast.parse(path.read_text())
@@ -54,7 +56,7 @@ def _imports(mod: str) -> list[tuple[str, bool, int]]:
         else:
             continue
         out += [(n, id(node) in inner, node.lineno) for n in names]
-    return out
+    return tuple(out)
 
 
 def _graph(function_level: bool) -> dict[str, set[str]]:
