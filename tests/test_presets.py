@@ -18,6 +18,7 @@ from decoder.presets import NGRAM_DRAFT_LEN, PRESETS, preset_config
 from workbench.workspace import init_demo
 
 HAVE_FEATURE = (drafters_dir(DEMO_DIR / "target") / "mtp" / "config.json").exists()
+N_TOKENS = 16  # per prompt: every compared method takes a few draft/verify steps, in both processes
 COMPARED = ("sd-draft-model-lean", "sd-ngram-lean", "sd-tree", "sd-two-level", "sd-dcut",
             *(("sd-block", "sd-mtp") if HAVE_FEATURE else ()))
 
@@ -40,7 +41,7 @@ def test_presets_are_valid_configs_and_widths_follow_them():
 @needs_demo
 def test_bench_and_workspace_run_the_same_preset_to_the_same_tokens_and_tau(demo_bf16, demo_prompts, tmp_path):
     target, drafter = demo_bf16
-    base = DecodeConfig(max_new_tokens=32)
+    base = DecodeConfig(max_new_tokens=N_TOKENS)
     heads = FeatureHeads(drafters_dir(DEMO_DIR / "target"), target.config, target.dtype, target.device)
     bench = Bench(target, drafter, target.config.eos_token_id, base, NGRAM_DRAFT_LEN, tree=TreeSettings(),
                   feature=FeatureSettings(), heads=heads)
@@ -59,7 +60,7 @@ def test_bench_and_workspace_run_the_same_preset_to_the_same_tokens_and_tau(demo
         for name in COMPARED:
             over = {} if name == "sd-two-level" else bench.config(name).as_dict()
             for i, p in enumerate(prompts):
-                req = {"id": i, "prompt_ids": p, "max_new_tokens": 32, "profile": True, "config": over}
+                req = {"id": i, "prompt_ids": p, "max_new_tokens": N_TOKENS, "profile": True, "config": over}
                 proc.stdin.write(json.dumps(req) + "\n")
                 proc.stdin.flush()
                 ans = json.loads(proc.stdout.readline())
