@@ -126,12 +126,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+try:  # loaded here, not in the forked child: the child runs as little Python as possible before exec
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: stop() and atexit still stop the server
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent dies (Linux), so a killed bench leaves no server."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
+    """In the child before exec: SIGKILL when the parent dies (Linux PR_SET_PDEATHSIG), so a killed bench
+    leaves no server. The signal follows the thread that started the server: start servers from a thread
+    that outlives them (the bench does, from its main thread)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)
 
 
 _LIVE: weakref.WeakSet[LlamaServer] = weakref.WeakSet()
