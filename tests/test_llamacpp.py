@@ -195,12 +195,12 @@ def test_stop_kills_the_server_also_on_exceptions():
 
 
 @needs_llamacpp
-def test_a_killed_parent_leaves_no_server():
+def test_a_killed_parent_leaves_no_server(tmp_path):
     code = ("import sys, time; from decoder.engines.llamacpp import LlamaServer, ServerSettings;"
             "from decoder.engines.llamacpp_build import gguf_path;"
-            "s = LlamaServer(gguf_path('target', 'bf16'), settings=ServerSettings(threads=1)); s.start();"
-            "print(s.pid, flush=True); time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            "s = LlamaServer(gguf_path('target', 'bf16'), settings=ServerSettings(threads=1), log_dir=sys.argv[1]);"
+            "s.start(); print(s.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ))
     try:
         pid = int(parent.stdout.readline())
@@ -219,9 +219,9 @@ def test_a_server_that_cannot_start_is_one_line_with_its_log(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf")
     with pytest.raises(EngineError) as e:
-        LlamaServer(bad, settings=ONE_THREAD).start()
+        LlamaServer(bad, settings=ONE_THREAD, log_dir=tmp_path).start()
     msg = str(e.value)
-    assert "\n" not in msg and "log:" in msg
+    assert "\n" not in msg and f"log: {tmp_path}" in msg
     with pytest.raises(EngineError, match="make llama-cpp"):
         LlamaServer(tmp_path / "missing.gguf").start()
 

@@ -153,11 +153,12 @@ class LlamaServer(Engine):
     """One `llama-server` process serving `model` with the given speculative settings."""
 
     def __init__(self, model: Path, spec: SpecSettings | None = None, settings: ServerSettings | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, log_dir: Path | None = None) -> None:
         self.model = Path(model)
         self.spec = spec or SpecSettings()
         self.settings = settings or ServerSettings()
         self.name = name or ("llama.cpp-ar" if self.spec.type is None else f"llama.cpp-{self.spec.type}")
+        self.log_dir = log_dir  # the server's output; None: the system's temporary folder
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._log: Path | None = None
@@ -187,7 +188,7 @@ class LlamaServer(Engine):
     def _start_once(self) -> str:
         """Start and wait for health; '' when it answers, else why not (the process is gone then)."""
         self.port = _free_port()
-        fd, log = tempfile.mkstemp(prefix=f"specpilot-{self.name}-", suffix=".log")
+        fd, log = tempfile.mkstemp(prefix=f"specpilot-{self.name}-", suffix=".log", dir=self.log_dir)
         self._log = Path(log)
         cmd = self.command(self.port)
         with os.fdopen(fd, "w") as fh:
