@@ -318,3 +318,12 @@ def test_a_pruned_mtp_head_drafts_only_frequent_tokens_and_stays_lossless(models
     assert [r.tokens for r in run.results] == refs
     with pytest.raises(ConfigError, match="draft_vocab = 10"):
         DecodeConfig(drafter="mtp", lean_forward=True, draft_vocab=10)
+
+
+def test_the_noise_is_the_largest_deviation_over_runs_and_points():
+    from workbench.cascade import noise_of
+
+    assert noise_of([{"speedup": 1.03}]) == pytest.approx(0.03)  # one point: the runs' speedups only
+    assert noise_of([{"speedup": 0.96}, {"speedup": 1.01}]) == pytest.approx(0.04)
+    runs = [{"speedup": 1.01, "points": {"1": 1.05, "8": 0.9}}, {"speedup": 0.99, "points": {"1": 1.0, "8": 1.02}}]
+    assert noise_of(runs) == pytest.approx(0.1)  # B = 8's 0.9 in the first run, hidden by its aggregate

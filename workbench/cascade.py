@@ -83,6 +83,12 @@ def paired_load(ws: Workspace, a_wt: Path, a_log: str, b_wt: Path, b_log: str, *
     return LoadResult(out)
 
 
+def noise_of(runs: list[dict]) -> float:
+    """The largest deviation from 1 of the base against itself: over the runs' aggregates and, under a load
+    profile, every point of each run (an aggregate may hide one point's noise)."""
+    return max(abs(v - 1.0) for r in runs for v in [r["speedup"], *(r.get("points") or {}).values()])
+
+
 def noise_floor(ws: Workspace, base: str, *, progress: Callable[[str], None] | None = None) -> dict:
     """What a change that does nothing measures: the base against itself in `noise_pairs` fresh
     process pairs (the paired benchmark's own interval misses what differs between processes and over
@@ -104,8 +110,7 @@ def noise_floor(ws: Workspace, base: str, *, progress: Callable[[str], None] | N
         runs.append({"speedup": res.speedup, "ci95": [res.ci_low, res.ci_high], "passes": res.first.passes,
                      **({"points": _points(res)} if len(res.points) > 1 else {})})
     # Every point's deviation counts: the aggregate of a change that does nothing may hide one point's noise.
-    noise = max(max(abs(r["speedup"] - 1.0), *(abs(v - 1.0) for v in (r.get("points") or {}).values()))
-                for r in runs)
+    noise = noise_of(runs)
     out = {"base": base, "pairs": pairs, "margin": margin, "noise": noise, "keep_threshold": 1.0 + margin * noise,
            "runs": runs, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_avg": os.getloadavg()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
