@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama
 
 from decoder.batch import BatchEngine, Request
 from decoder.config import ConfigError, DecodeConfig, parse_load_schedule, scheduled_draft_len
@@ -48,18 +47,8 @@ def test_schedule_is_a_registered_batching_mechanism_off_in_stock():
 
 
 @pytest.fixture(scope="module")
-def models():
-    import copy
-
-    import torch
-
-    target = tiny_llama(vocab=96, hidden=64, layers=2, seed=3)
-    drafter = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
-    return target, drafter
+def models(tiny_fp32):
+    return tiny_fp32  # a tiny fp32 target and a drafter that mostly agrees with it (conftest)
 
 
 PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8], [10, 20, 30, 40, 50, 60], [4, 11], [7, 7, 7, 1], [2, 9, 4, 6]]
