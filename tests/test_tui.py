@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -676,10 +677,26 @@ def test_demo_workspace_is_created_on_first_run(monkeypatch, tmp_path):
     path = default_demo_path()  # where a first run creates the demo: under the user's data directory
     assert path == tmp_path / "data" / "workspaces" / "demo"
 
+    # The demo is built in a worker thread; on a loaded machine it could finish before the first look. The real
+    # init_demo runs, but only once the test has seen the opening screen saying what is happening.
+    import workbench.tui.app as tui_app
+
+    seen = threading.Event()
+    real_init_demo = tui_app.init_demo
+
+    def init_demo_after_the_first_look(*args, **kwargs):
+        assert seen.wait(60), "the test never looked at the opening screen"
+        return real_init_demo(*args, **kwargs)
+
+    monkeypatch.setattr(tui_app, "init_demo", init_demo_after_the_first_look)
+
     async def go():
         app = make_app(demo_options={"prompt_limit": 3, "hidden": 1, "forcing_max_new_tokens": 8}, blink=False)
         async with app.run_test(notifications=True, size=(80, 24)) as pilot:
             assert app.query_one("#opening").display
+            label = app.query_one("#opening-label")
+            await until(pilot, lambda: "creating the demo workspace" in str(label.render()), 30, "the demo notice")
+            seen.set()
             await opened(pilot)
             assert not app.query_one("#opening").display
             assert app.snapshot.deployment["name"] == "demo"
