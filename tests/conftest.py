@@ -15,6 +15,28 @@ from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 torch.set_num_threads(1)
 
 
+# `make test` runs each file whole on one of two workers (--dist loadfile), and xdist hands out the files with the
+# most tests first: files with few but long tests (the harness, the loop, the sampled generation) came last, and
+# one worker ran them alone while the other idled. Longest first instead: these files, heaviest first (as
+# measured here), then every other file in collection order. Only the order of files changes, never the order
+# of the tests inside one (test_tui's flows build on each other).
+HEAVIEST_FILES = ("test_forcing.py", "test_tui.py", "test_loop.py", "test_featdraft.py", "test_batch.py",
+                  "test_generate.py", "test_init_target.py", "test_tree.py", "test_w12.py", "test_load.py",
+                  "test_archs.py", "test_presets.py", "test_verify.py", "test_lossless.py", "test_quality.py",
+                  "test_bad_inputs.py", "test_cli.py", "test_lean_archs.py", "test_llm_agent.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadfile":  # the controller: schedule in the workers' order
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is what the controller schedules
+        rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
 def demo_available() -> bool:
     return all((DEMO_DIR / role / "model.safetensors").exists() for role in ("target", "drafter"))
 
