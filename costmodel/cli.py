@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from costmodel.accuracy import AccuracyError, StepSweep, sweep_mismatch
 from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment, demo_dir
+from costmodel.entry import MethodEntry
 from costmodel.hardware import LOCAL, get_profile, save_profile
 from costmodel.model_profile import WEIGHT_FORMATS, load_model_profile
 from costmodel.report import build_report, format_table, plot_gaps
@@ -109,7 +110,7 @@ def _fail(msg: str) -> int:
     return EXIT_USAGE
 
 
-def _read_bench(path: str, method: str) -> tuple[dict, dict, float | None]:
+def _read_bench(path: str, method: str) -> tuple[dict, MethodEntry, float | None]:
     """(the report, the method's entry, AR ms per token or None) from a bench JSON file."""
     try:
         report = json.loads(Path(path).read_text())
@@ -119,21 +120,21 @@ def _read_bench(path: str, method: str) -> tuple[dict, dict, float | None]:
     except json.JSONDecodeError as e:
         raise ValueError(f"--bench {path}: not valid JSON ({e.msg}); pass the output of `specpilot bench --json`") \
             from e
-    methods = {m.get("name"): m for m in report.get("methods", []) if isinstance(m, dict)} \
-        if isinstance(report, dict) else {}
+    rows = report.get("methods") if isinstance(report, dict) else None
+    methods = {e.name: e for e in map(MethodEntry.from_dict, rows if isinstance(rows, list) else [])}
     if method not in methods:
         raise ValueError(f"--method {method}: not in {path}; it has {', '.join(map(str, methods)) or 'no methods'}")
     ar = methods.get("ar")
-    ar_ms = 1000.0 / ar["tokens_per_s"] if ar and ar.get("tokens_per_s") else None
+    ar_ms = 1000.0 / ar.tokens_per_s if ar and ar.tokens_per_s else None
     return report, methods[method], ar_ms
 
 
-def build_deployment(args: argparse.Namespace, bench_entry: dict | None = None,
+def build_deployment(args: argparse.Namespace, bench_entry: MethodEntry | None = None,
                      bench_dtype: str | None = None) -> CostDeployment:
     """The CostDeployment the flags describe (the demo's defaults, then each explicit flag)."""
 
     fmt = args.format or {"bfloat16": "bf16", "float32": "fp32"}.get(bench_dtype or "", "bf16")
-    k = args.draft_len or (bench_entry or {}).get("draft_len") or DEMO_DRAFT_LEN
+    k = args.draft_len or (bench_entry.draft_len if bench_entry else None) or DEMO_DRAFT_LEN
     if args.deployment:
         if args.deployment != "demo":
             raise ValueError(f"--deployment {args.deployment}: unknown; use demo, or --hardware NAME --target-config "
@@ -161,7 +162,7 @@ def build_deployment(args: argparse.Namespace, bench_entry: dict | None = None,
         raise ValueError("--drafter-layers needs --drafter-config (the config whose first layers the drafter keeps)")
     elif args.drafter_kind:
         drafter = Drafter.ngram() if args.drafter_kind == "ngram" else Drafter(args.drafter_kind)
-    if bench_entry is not None and bench_entry.get("name") == "sd-ngram":
+    if bench_entry is not None and bench_entry.name == "sd-ngram":
         drafter = Drafter.ngram()  # the method measured, whatever the deployment's default drafter
     if drafter is None:
         drafter = Drafter.ngram()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from costmodel.entry import GapError, MethodEntry
+from costmodel.entry import GapError, MethodEntry, read_entry
 from costmodel.hardware import HardwareProfile
 from costmodel.model_profile import ModelProfile
 from costmodel.step import Drafter, forward_time, sd_step
@@ -119,8 +119,8 @@ def measured_gaps(entry: MethodEntry | Mapping, hw: HardwareProfile, target: Mod
     tokens_per_s, draft_len; target_forwards and new_tokens when present); `num_prompts` (the
     report's) lets the prefill forwards be told from the verify forwards exactly.
     """
-    e = MethodEntry.read(entry)
-    name, ph, tau, k = e.name, dict(e.phase_ms_per_token), e.tau, e.draft_len
+    e = read_entry(entry)
+    name, ph, tau, k = e.name, dict(e.phase_ms_per_token), e.tau, e.draft_len or 0
     phase_sum = sum(ph.values())
     measured = e.ms_per_token
     notes: list[str] = []

@@ -24,7 +24,7 @@ from pathlib import Path
 from costmodel.accuracy import StepSweep, format_prediction_error, prediction_error, sweep_mismatch
 from costmodel.ceiling import plausible
 from costmodel.deployment import CostDeployment
-from costmodel.entry import MethodEntry
+from costmodel.entry import MethodEntry, read_entry
 from costmodel.fit import median_abs_rel_error, predict_ms
 from costmodel.gaps import FAMILIES, GapBreakdown, check_accounting, measured_gaps, modelled_gaps
 from costmodel.step import ar_step, forward_time, sd_step
@@ -64,7 +64,7 @@ def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Met
     if steps is not None and (why := sweep_mismatch(steps, dep.target, dep.fmt)):
         raise ValueError(f"prediction error: {why}; measure this deployment's steps")
     k = dep.draft_len
-    entry = MethodEntry.read(bench_entry) if bench_entry is not None else None
+    entry = read_entry(bench_entry) if bench_entry is not None else None
     measured = entry is not None
     if entry is not None and tau is None:
         tau = entry.tau
@@ -125,7 +125,7 @@ def build_report(dep: CostDeployment, tau: float | None = None, bench_entry: Met
         "notes": notes + gap_dict["notes"],
     }
     if entry is not None:
-        speedup = entry.extra.get("speedup_vs_ar")
+        speedup = entry.speedup_vs_ar
         if speedup is not None:
             report["measured_speedup"] = speedup
             ok, reason = plausible(float(speedup), oracle["speedup"])

@@ -102,3 +102,127 @@ class DecodeStats:
                     except ValueError:
                         continue
         return out
+
+
+def _number(v: object) -> float | None:
+    """A non-negative JSON number as a float, else None (bools, strings, NaN and negatives are not figures)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+        return None
+    return float(v)
+
+
+def _whole(v: object) -> int | None:
+    n = _number(v)
+    return int(n) if n is not None and n == int(n) else None
+
+
+@dataclass
+class MethodEntry:
+    """One method of `specpilot bench --json`'s "methods" (and the harness's profile of a running system, which
+    has the same shape): what the cost model's gaps, the round summary and the TUI read.
+
+    The JSON field names are a public contract: `as_dict` writes them unchanged and `from_dict` reads them back;
+    fields this record does not name (a tree method's `mechanism_config`, sd-routed's `routes`, llama.cpp's
+    `engine` fields, ...) ride in `extra` so nothing is lost on a round trip. Every field but `name` may be
+    absent from a report: None here. Entries of our own decoder carry its counters (`phase_ms_per_token` set):
+    their `acceptance_rate`, `draft_ms_per_step` and `draft_len` are written even when null, as the bench always
+    wrote them."""
+
+    name: str = "method"
+    tokens_per_s: float = 0.0
+    speedup_vs_ar: float | None = None
+    ar_baseline: str | None = None  # the AR method speedup_vs_ar divides by
+    speedup_vs_hf_greedy: float | None = None
+    tau: float | None = None  # new tokens per target forward, prefill included (AR = 1.0)
+    identical_to_hf_greedy: bool | None = None
+    mismatched_prompts: int | None = None
+    unexplained_mismatches: int | None = None
+    new_tokens: int | None = None
+    seconds: float | None = None
+    target_forwards: int | None = None  # including one prefill forward per prompt
+    target_forwards_per_token: float | None = None
+    divergences: list[dict] | None = None
+    ratio_vs_llama_cpp_ar: float | None = None  # with llama.cpp peers only
+    # Our decoder's counters (absent from Hugging Face and llama.cpp entries).
+    target_tokens_per_token: float | None = None
+    drafter_forwards_per_token: float | None = None
+    acceptance_rate: float | None = None
+    accept_hist: dict[str, int] | None = None  # accepted drafts per verify step ("0", "1", ...) -> steps
+    phase_ms_per_token: dict[str, float] | None = None  # prefill/draft/verify/accept/other, as the system counted
+    draft_ms_per_step: float | None = None
+    draft_len: int | None = None  # tokens drafted per verify step (None or 0: AR)
+    extra: dict[str, object] = field(default_factory=dict)  # the report's other fields, passed through
+
+    CORE = ("name", "tokens_per_s", "speedup_vs_ar", "ar_baseline", "speedup_vs_hf_greedy", "tau",
+            "identical_to_hf_greedy", "mismatched_prompts", "unexplained_mismatches", "new_tokens", "seconds",
+            "target_forwards", "target_forwards_per_token", "divergences")  # every bench entry has these
+    COUNTERS = ("target_tokens_per_token", "drafter_forwards_per_token", "acceptance_rate", "accept_hist",
+                "phase_ms_per_token", "draft_ms_per_step", "draft_len")
+
+    @property
+    def ms_per_token(self) -> float:
+        """Measured wall time per new token; the phases' sum when no rate was measured."""
+        if self.tokens_per_s > 0:
+            return 1000.0 / self.tokens_per_s
+        return sum((self.phase_ms_per_token or {}).values())
+
+    def as_dict(self) -> dict:
+        counted = self.phase_ms_per_token is not None
+        out: dict = {k: getattr(self, k) for k in self.CORE}
+        if self.ratio_vs_llama_cpp_ar is not None:
+            out["ratio_vs_llama_cpp_ar"] = self.ratio_vs_llama_cpp_ar
+        for k in self.COUNTERS:
+            v = getattr(self, k)
+            # A drafting llama.cpp entry reports its acceptance too (null for its AR).
+            always = counted and k in ("acceptance_rate", "draft_ms_per_step", "draft_len") or (
+                k == "acceptance_rate" and "engine" in self.extra)
+            if v is not None or always:
+                out[k] = dict(v) if isinstance(v, dict) else v
+        out.update({k: v for k, v in self.extra.items() if k not in out})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: object) -> MethodEntry:
+        """The entry back from `as_dict` or a report file. A report may come from a candidate's system, so a
+        missing or ill-typed field reads as its default (never an exception)."""
+        if not isinstance(d, dict):
+            return cls()
+        known = set(cls.CORE) | set(cls.COUNTERS) | {"ratio_vs_llama_cpp_ar"}
+
+        def opt_str(key: str) -> str | None:
+            v = d.get(key)
+            return v if isinstance(v, str) else None
+
+        def table(key: str, read) -> dict | None:
+            v = d.get(key)
+            if not isinstance(v, dict):
+                return None
+            return {str(k): x for k, x in ((k, read(x)) for k, x in v.items()) if x is not None}
+
+        identical = d.get("identical_to_hf_greedy")
+        divergences = d.get("divergences")
+        return cls(
+            name=str(d["name"]) if isinstance(d.get("name"), (str, int, float)) else "method",
+            tokens_per_s=_number(d.get("tokens_per_s")) or 0.0,
+            speedup_vs_ar=_number(d.get("speedup_vs_ar")),
+            ar_baseline=opt_str("ar_baseline"),
+            speedup_vs_hf_greedy=_number(d.get("speedup_vs_hf_greedy")),
+            tau=_number(d.get("tau")),
+            identical_to_hf_greedy=identical if isinstance(identical, bool) else None,
+            mismatched_prompts=_whole(d.get("mismatched_prompts")),
+            unexplained_mismatches=_whole(d.get("unexplained_mismatches")),
+            new_tokens=_whole(d.get("new_tokens")),
+            seconds=_number(d.get("seconds")),
+            target_forwards=_whole(d.get("target_forwards")),
+            target_forwards_per_token=_number(d.get("target_forwards_per_token")),
+            divergences=[x for x in divergences if isinstance(x, dict)] if isinstance(divergences, list) else None,
+            ratio_vs_llama_cpp_ar=_number(d.get("ratio_vs_llama_cpp_ar")),
+            target_tokens_per_token=_number(d.get("target_tokens_per_token")),
+            drafter_forwards_per_token=_number(d.get("drafter_forwards_per_token")),
+            acceptance_rate=_number(d.get("acceptance_rate")),
+            accept_hist=table("accept_hist", _whole),
+            phase_ms_per_token=table("phase_ms_per_token", _number),
+            draft_ms_per_step=_number(d.get("draft_ms_per_step")),
+            draft_len=_whole(d.get("draft_len")),
+            extra={str(k): v for k, v in d.items() if k not in known},
+        )

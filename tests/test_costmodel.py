@@ -9,7 +9,7 @@ import pytest
 
 from costmodel.ceiling import ceiling, plausible
 from costmodel.deployment import CostDeployment, demo_dir
-from costmodel.entry import MethodEntry
+from costmodel.entry import MethodEntry, read_entry
 from costmodel.gaps import GapError, check_accounting, measured_gaps, modelled_gaps
 from costmodel.hardware import HardwareProfile
 from costmodel.model_profile import ModelProfileError, from_config, load_model_profile
@@ -319,14 +319,14 @@ def test_ceiling_with_overheads_is_tighter():
 def test_method_entry_round_trips_the_bench_contract_and_names_bad_fields():
     entry = {**ENTRY, "target_forwards": 45, "new_tokens": 100, "divergences": []}
     e = MethodEntry.from_dict(entry)
-    assert (e.tau, e.draft_len, e.target_forwards, e.extra["speedup_vs_ar"]) == (2.5, 4, 45, 1.8)
+    assert (e.tau, e.draft_len, e.target_forwards, e.speedup_vs_ar) == (2.5, 4, 45, 1.8)
     back = e.as_dict()
     assert {k: back[k] for k in entry} == entry  # every field a bench wrote comes back unchanged
     assert measured_gaps(e, MEMBOUND, toy(), context=10).as_dict() == \
         measured_gaps(entry, MEMBOUND, toy(), context=10).as_dict()
     with pytest.raises(GapError, match="tau 0 must be positive"):
-        MethodEntry.read({**ENTRY, "tau": 0})
+        read_entry({**ENTRY, "tau": 0})
     with pytest.raises(GapError, match="lacks verify"):
-        MethodEntry.read({**ENTRY, "phase_ms_per_token": {"prefill": 1, "draft": 0, "accept": 0, "other": "x"}})
+        read_entry({**ENTRY, "phase_ms_per_token": {"prefill": 1, "draft": 0, "accept": 0, "other": "x"}})
     with pytest.raises(GapError, match="JSON object"):
-        MethodEntry.read([1, 2])
+        read_entry([1, 2])

@@ -24,7 +24,7 @@ from costmodel.hardware import (
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
 from decoder.config import verify_width
-from decoder.stats import DecodeStats
+from decoder.stats import DecodeStats, MethodEntry
 from workbench.cascade import paired_load
 from workbench.forcing import run_system
 from workbench.measure import load_prompts, profile_entry
@@ -105,7 +105,7 @@ def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
     try:
         saved = json.loads(path.read_text())
         if saved.get("commit") == commit and saved.get("breakdown"):
-            return {"entry": saved["entry"], "breakdown": saved["breakdown"]}
+            return {"entry": MethodEntry.from_dict(saved.get("entry")).as_dict(), "breakdown": saved["breakdown"]}
     except (OSError, ValueError):
         pass
     earlier = [r.summary["gaps"] for r in ws.memory.list_rounds(dep_id)

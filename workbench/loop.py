@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from decoder.config import ConfigError, DecodeConfig, dump_table
+from decoder.stats import MethodEntry
 from store import Memory, global_memory_path
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
@@ -290,7 +291,8 @@ class Loop:
         gaps = summary["gaps"]
         bd = gaps["breakdown"]
         top = ", ".join(f"{g['family']} {g['ms_per_token']:.2f}" for g in bd["gaps"][:4])
-        self.say(f"round {index}: base {gaps['entry']['tokens_per_s']:.1f} tok/s; largest gaps (ms/token): {top}")
+        base_rate = MethodEntry.from_dict(gaps.get("entry")).tokens_per_s
+        self.say(f"round {index}: base {base_rate:.1f} tok/s; largest gaps (ms/token): {top}")
         if "directions" not in summary:
             dirs = self.directions(bd, self.exhausted(), base)
             summary["directions"] = [d.as_dict() for d in dirs]

@@ -25,8 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from costmodel.entry import MethodEntry
-from decoder.stats import DecodeStats
+from decoder.stats import DecodeStats, MethodEntry
 from store import data_dir
 from workbench.forcing import forcing_prompt_texts
 from workbench.harness import SystemProcess

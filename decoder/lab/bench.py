@@ -36,8 +36,8 @@ from decoder.models import (
     load_tokenizer,
 )
 from decoder.presets import BLOCK_DRAFT_LEN, DCUT_MAX_LEN, MTP_DRAFT_LEN, PRESETS, preset_config
-from decoder.profiler import DecodeStats
 from decoder.runners import HFRunner, recurrent_layers
+from decoder.stats import DecodeStats, MethodEntry
 from decoder.w12 import apply_w12
 
 OUR_METHODS = ("ar", "sd-draft-model", "sd-ngram")
@@ -524,25 +524,21 @@ def run_bench(
         tps = res.tokens / res.seconds if res.seconds else 0.0
         baseline = _baseline(name)
         ar = results.get(baseline)
-        entry = {
-            "name": name,
-            "tokens_per_s": round(tps, 2),
-            "speedup_vs_ar": round(tps / (ar.tokens / ar.seconds), 4) if ar else None,
-            "ar_baseline": baseline if ar else None,
-            "speedup_vs_hf_greedy": round(tps / (hf.tokens / hf.seconds), 4),
-            "tau": round(res.stats.tau, 4),
-            "identical_to_hf_greedy": mismatched == 0,
-            "mismatched_prompts": mismatched,
-            "unexplained_mismatches": unexplained,
+        entry = MethodEntry(
+            name=name, tokens_per_s=round(tps, 2),
+            speedup_vs_ar=round(tps / (ar.tokens / ar.seconds), 4) if ar else None,
+            ar_baseline=baseline if ar else None,
+            speedup_vs_hf_greedy=round(tps / (hf.tokens / hf.seconds), 4),
+            tau=round(res.stats.tau, 4),
+            identical_to_hf_greedy=mismatched == 0, mismatched_prompts=mismatched,
+            unexplained_mismatches=unexplained,
             # Extra fields (the contract above is stable; these are additions).
-            "new_tokens": res.tokens,
-            "seconds": round(res.seconds, 4),
-            "target_forwards": res.stats.target_forwards,
-            "target_forwards_per_token": round(res.stats.target_forwards / max(1, res.tokens), 4),
-            "divergences": divergences,
-        }
+            new_tokens=res.tokens, seconds=round(res.seconds, 4), target_forwards=res.stats.target_forwards,
+            target_forwards_per_token=round(res.stats.target_forwards / max(1, res.tokens), 4),
+            divergences=divergences,
+        )
         if peer_ar is not None:
-            entry["ratio_vs_llama_cpp_ar"] = round(tps / (peer_ar.tokens / peer_ar.seconds), 4)
+            entry.ratio_vs_llama_cpp_ar = round(tps / (peer_ar.tokens / peer_ar.seconds), 4)
         if is_peer(name):
             check = None if name == LLAMA_AR else check_against_ar(
                 peers.ar, encoded, [p.id for p in prompts], res.outputs, peer_ar.outputs, floor)
@@ -550,39 +546,40 @@ def run_bench(
             continue
         if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
-            entry["target_tokens_per_token"] = round(res.stats.target_tokens / max(1, res.tokens), 4)
-            entry["drafter_forwards_per_token"] = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
-            entry["acceptance_rate"] = round(res.stats.acceptance_rate, 4) if res.stats.drafted else None
-            entry["accept_hist"] = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
-            entry["phase_ms_per_token"] = {k: round(1000 * v / max(1, res.tokens), 4)
-                                           for k, v in res.stats.phase_s.items()}
+            entry.target_tokens_per_token = round(res.stats.target_tokens / max(1, res.tokens), 4)
+            entry.drafter_forwards_per_token = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
+            entry.acceptance_rate = round(res.stats.acceptance_rate, 4) if res.stats.drafted else None
+            entry.accept_hist = {str(k): v for k, v in sorted(res.stats.accept_hist.items())}
+            entry.phase_ms_per_token = {k: round(1000 * v / max(1, res.tokens), 4)
+                                        for k, v in res.stats.phase_s.items()}
             # Drafting time per verify step (the drafter's calls, and for feature drafters their context update).
-            entry["draft_ms_per_step"] = (round(1000 * res.stats.phase_s.get("draft", 0.0) / res.stats.draft_steps, 4)
-                                          if res.stats.draft_steps else None)
+            entry.draft_ms_per_step = (round(1000 * res.stats.phase_s.get("draft", 0.0) / res.stats.draft_steps, 4)
+                                       if res.stats.draft_steps else None)
             if name in FEATURE_METHODS:
-                entry["draft_len"] = (feature.block_draft_len if name == "sd-block" else
-                                      feature.mtp_draft_len if name in ("sd-mtp", "sd-mtp-vocab") else None)
+                entry.draft_len = (feature.block_draft_len if name == "sd-block" else
+                                   feature.mtp_draft_len if name in ("sd-mtp", "sd-mtp-vocab") else None)
                 if name == "sd-routed":
-                    entry["routes"] = dict(sorted(res.stats.routes.items()))
-                    entry["route_us_per_request"] = round(1e6 * res.stats.route_s / max(1, len(res.outputs)), 2)
-                    entry["mechanism_config"] = {"drafter": "routed", "route_code": feature.route_code,
-                                                 "route_prose": feature.route_prose}
-                report_methods.append(entry)
+                    entry.extra["routes"] = dict(sorted(res.stats.routes.items()))
+                    entry.extra["route_us_per_request"] = round(1e6 * res.stats.route_s / max(1, len(res.outputs)),
+                                                                2)
+                    entry.extra["mechanism_config"] = {"drafter": "routed", "route_code": feature.route_code,
+                                                       "route_prose": feature.route_prose}
+                report_methods.append(entry.as_dict())
                 continue
-            entry["draft_len"] = (draft_len if name.startswith("sd-draft-model") else
-                                  ngram_draft_len if name.startswith("sd-ngram") else
-                                  bench.config(name).draft_len
-                                  if name in ("sd-two-level", "sd-dcut", "sd-two-level-hf") else None)
+            entry.draft_len = (draft_len if name.startswith("sd-draft-model") else
+                               ngram_draft_len if name.startswith("sd-ngram") else
+                               bench.config(name).draft_len
+                               if name in ("sd-two-level", "sd-dcut", "sd-two-level-hf") else None)
             if name in TREE_METHODS + HF_TREE_METHODS:
                 c = bench.config(name)
                 base = name.removesuffix("-hf")
-                entry["mechanism_config"] = (
+                entry.extra["mechanism_config"] = (
                     {"verify": "tree", "tree_shape": c.tree_shape, "tree_topk": c.tree_topk,
                      "tree_depth": c.tree_depth, "tree_budget": c.tree_budget} if base == "sd-tree" else
                     {"verify": "two-level", "two_level_alts": c.two_level_alts, "draft_len": c.draft_len}
                     if base == "sd-two-level" else
                     {"dcut": True, "dcut_threshold": c.dcut_threshold, "draft_len": c.draft_len})
-        report_methods.append(entry)
+        report_methods.append(entry.as_dict())
     order = {m: i for i, m in enumerate(KNOWN_METHODS + tuple(n for n in runners if is_peer(n)))}
     report_methods.sort(key=lambda m: order[m["name"]])
     return {
@@ -625,28 +622,28 @@ def format_table(report: dict) -> str:
     peers = report.get("peers")
     cols = ("method", "tok/s", "vs AR", "vs HF", *(("vs llama.cpp AR",) if peers else ()), "tau", "fwd/tok", "accept",
             "identical", "diverged", "unexplained")
+    methods = [MethodEntry.from_dict(m) for m in report["methods"]]
+
+    def times(v: float | None, fmt: str = ".2f", unit: str = "x") -> str:
+        return f"{v:{fmt}}{unit}" if v is not None else "-"
+
     rows = []
-    for m in report["methods"]:
-        acc = m.get("acceptance_rate")
+    for m in methods:
         rows.append((
-            m["name"], f"{m['tokens_per_s']:.1f}",
-            f"{m['speedup_vs_ar']:.2f}x" if m["speedup_vs_ar"] is not None else "-",
-            f"{m['speedup_vs_hf_greedy']:.2f}x",
-            *((f"{m['ratio_vs_llama_cpp_ar']:.2f}x",) if peers else ()),
-            f"{m['tau']:.2f}" if m["tau"] is not None else "-",
-            f"{m['target_forwards_per_token']:.3f}" if m["target_forwards_per_token"] is not None else "-",
-            f"{acc:.0%}" if acc is not None else "-",
-            "yes" if m.get("identical_to_reference", m["identical_to_hf_greedy"]) else "no",
-            str(m["mismatched_prompts"]), str(m["unexplained_mismatches"]),
+            m.name, f"{m.tokens_per_s:.1f}", times(m.speedup_vs_ar), times(m.speedup_vs_hf_greedy),
+            *((times(m.ratio_vs_llama_cpp_ar),) if peers else ()),
+            times(m.tau, unit=""), times(m.target_forwards_per_token, ".3f", ""), times(m.acceptance_rate, ".0%", ""),
+            "yes" if m.extra.get("identical_to_reference", m.identical_to_hf_greedy) else "no",
+            str(m.mismatched_prompts), str(m.unexplained_mismatches),
         ))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     for variant, base in VARIANT_BASELINE.items():
-        if any(m.get("ar_baseline") == base for m in report["methods"]):
-            extra = "".join(f", {m['name']}" for m in report["methods"]
-                            if variant == "lean" and m["name"] in TREE_METHODS + FEATURE_METHODS)
+        if any(m.ar_baseline == base for m in methods):
+            extra = "".join(f", {m.name}" for m in methods
+                            if variant == "lean" and m.name in TREE_METHODS + FEATURE_METHODS)
             lines.append(f"vs AR of *-{variant}{extra} methods is against {base} (speculation's gain alone)")
     tree = report.get("config", {}).get("tree")
     if tree:
@@ -655,7 +652,7 @@ def format_table(report: dict) -> str:
                      "sd-dcut: threshold {dcut_threshold}, max k {dcut_max_len}".format(**tree))
     feat = report.get("config", {}).get("feature")
     if feat:
-        routed = next((m for m in report["methods"] if m["name"] == "sd-routed"), None)
+        routed = next((m.extra for m in methods if m.name == "sd-routed"), None)
         lines.append("sd-block: k {block_draft_len}; sd-mtp: k {mtp_draft_len}; sd-routed: code -> {route_code}, "
                      "prose -> {route_prose}".format(**feat) +
                      (f"; routed {routed['routes']} at {routed['route_us_per_request']:.0f} us per request"
@@ -665,7 +662,7 @@ def format_table(report: dict) -> str:
                      f"check each against {peers['reference']}'s output (its own top-2 margins); "
                      f"{peers['threads']} threads for llama.cpp, {report.get('torch_threads')} for torch; "
                      f"{peers['timing']}")
-        ar = next((m for m in report["methods"] if m["name"] == peers["reference"]), None)
+        ar = next((m.extra for m in methods if m.name == peers["reference"]), None)
         if ar is not None:
             v = ar["vs_hf_greedy"]
             lines.append(f"{peers['reference']} against hf-greedy (two engines' arithmetic, for information): "
@@ -677,7 +674,7 @@ def format_table(report: dict) -> str:
         lines.append(f"WEAK LOSSLESS CHECK: the noise floor {report['noise_floor']:.3g} makes "
                      f"{report['near_tie_fraction']:.0%} of the reference's positions near ties that a divergence "
                      f"may hide behind; rerun with --dtype float32")
-    lossless = all(m["unexplained_mismatches"] == 0 for m in report["methods"])
+    lossless = all(m.unexplained_mismatches == 0 for m in methods)
     lines.append("all methods lossless (no unexplained mismatch)" if lossless
                  else "LOSSLESS CHECK FAILED: see unexplained mismatches above")
     return "\n".join(lines)

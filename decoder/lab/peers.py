@@ -21,14 +21,14 @@ information: two engines' bf16 arithmetic differ, so its divergences say how far
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from decoder.contract import near_tie
 from decoder.engines import Engine, EngineError, EngineNotBuilt
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings, require_built, server_spec_types
 from decoder.engines.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, gguf_path
-from decoder.stats import DecodeStats
+from decoder.stats import DecodeStats, MethodEntry
 
 PEERS = ("llama.cpp",)
 LLAMA_AR = "llama.cpp-ar"
@@ -202,22 +202,22 @@ def check_against_ar(ar: Engine, prompt_ids: list[list[int]], prompt_names: list
             "unexplained_mismatches": unexplained, "divergences": divergences}
 
 
-def peer_entry(entry: dict, stats: DecodeStats, check: dict | None, flags: list[str]) -> dict:
+def peer_entry(entry: MethodEntry, stats: DecodeStats, check: dict | None, flags: list[str]) -> dict:
     """Turn the bench's generic entry for a llama.cpp method into its report: the lossless fields against
     llama.cpp AR (kept against hf-greedy under `vs_hf_greedy`, for information), no forward counts (the server
     does not report them), acceptance where it drafts, and the flags it ran with."""
-    vs_hf = {k: entry[k] for k in ("identical_to_hf_greedy", "mismatched_prompts", "unexplained_mismatches",
-                                   "divergences")}
-    out = dict(entry)
-    out.update({"engine": "llama.cpp", "server_flags": flags, "tau": None, "target_forwards": None,
-                "target_forwards_per_token": None, "vs_hf_greedy": vs_hf,
-                "acceptance_rate": round(stats.acceptance_rate, 4) if stats.drafted else None,
-                "drafted": stats.drafted, "accepted": stats.accepted})
+    vs_hf = {"identical_to_hf_greedy": entry.identical_to_hf_greedy, "mismatched_prompts": entry.mismatched_prompts,
+             "unexplained_mismatches": entry.unexplained_mismatches, "divergences": entry.divergences}
+    out = replace(entry, tau=None, target_forwards=None, target_forwards_per_token=None,
+                  acceptance_rate=round(stats.acceptance_rate, 4) if stats.drafted else None)
+    out.extra = {**entry.extra, "engine": "llama.cpp", "server_flags": flags, "vs_hf_greedy": vs_hf,
+                 "drafted": stats.drafted, "accepted": stats.accepted}
     if check is not None:  # speculative: checked against llama.cpp AR
-        out.update({"checked_against": check["reference"], "identical_to_reference": check["identical_to_reference"],
-                    "mismatched_prompts": check["mismatched_prompts"],
-                    "unexplained_mismatches": check["unexplained_mismatches"], "divergences": check["divergences"]})
+        out.extra.update({"checked_against": check["reference"],
+                          "identical_to_reference": check["identical_to_reference"]})
+        out.mismatched_prompts, out.unexplained_mismatches, out.divergences = (
+            check["mismatched_prompts"], check["unexplained_mismatches"], check["divergences"])
     else:  # llama.cpp AR is the reference of its engine; its agreement with hf-greedy stays under vs_hf_greedy
-        out.update({"checked_against": LLAMA_AR, "identical_to_reference": True, "mismatched_prompts": 0,
-                    "unexplained_mismatches": 0, "divergences": []})
-    return out
+        out.extra.update({"checked_against": LLAMA_AR, "identical_to_reference": True})
+        out.mismatched_prompts, out.unexplained_mismatches, out.divergences = 0, 0, []
+    return out.as_dict()
