@@ -4,6 +4,7 @@ workspace that the loop (`workbench/loop.py`) and the TUI's launch call; the sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import git
@@ -18,15 +19,16 @@ from workbench.workspace import Workspace
 
 
 def evaluate_attempt(ws: Workspace, name: str, family: str, agent: str, res: AgentResult, base: str, base_ar: float,
-                     ceiling: float, min_gain: float, say: Say) -> dict:
-    """The cascade on an agent's branch (or a discard when it committed nothing); the attempt's record."""
+                     ceiling: float, min_gain: float, say: Say, run: Callable[..., Attempt] = evaluate) -> dict:
+    """The cascade on an agent's branch (or a discard when it committed nothing); the attempt's record.
+    `run` is the cascade here, or an executor's that runs it elsewhere (`workbench.executor`)."""
     b = ws.branch(name)
     if not res.committed or ws.head(name) == base:
         ws.memory.add_evaluation(b.id, "agent", "discard", res.message or "no change committed")
         ws.memory.update_branch(b.id, status="discarded")
         return {"branch": name, "agent": agent, "direction": family, "status": "discard",
                 "reason": f"no change: {res.message}", "speedup": None, "details": res.details}
-    att: Attempt = evaluate(ws, name, base, base_ar, ceiling, min_gain=min_gain, progress=say)
+    att: Attempt = run(ws, name, base, base_ar, ceiling, min_gain=min_gain, progress=say)
     out = {"branch": name, "agent": agent, "direction": family, "status": att.status, "reason": att.reason,
            "speedup": att.speedup, "speedup_over_ar": att.speedup_over_ar, "mechanism": res.mechanism,
            "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95, "points": att.points}
@@ -35,7 +37,7 @@ def evaluate_attempt(ws: Workspace, name: str, family: str, agent: str, res: Age
 
 
 def integrate_kept(ws: Workspace, index: int, round_id: int, base: str, kept: list[dict], base_ar: float,
-                   ceiling: float, min_gain: float, say: Say) -> dict:
+                   ceiling: float, min_gain: float, say: Say, run: Callable[..., Attempt] = evaluate) -> dict:
     """One new base from a round's kept attempts: the best single one, or all of them merged (a config
     conflict merged key by key) when the combination, evaluated by the cascade, beats it. Returns the choice:
     commit, speedup over the old base, merged branches (and skipped ones)."""
@@ -63,7 +65,7 @@ def integrate_kept(ws: Workspace, index: int, round_id: int, base: str, kept: li
                       "merged": [best["branch"]], "skipped": skipped}
         else:
             with tracking(ws.state, name):
-                att = evaluate(ws, name, base, base_ar, ceiling, min_gain=min_gain, progress=say)
+                att = run(ws, name, base, base_ar, ceiling, min_gain=min_gain, progress=say)
             say(f"  {name} ({' + '.join(merged)}): {att.status}: {att.reason}")
             if att.status == "keep" and (att.speedup or 0) >= best["speedup"]:
                 chosen = {"commit": ws.head(name), "speedup": att.speedup, "merged": merged,

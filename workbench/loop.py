@@ -36,6 +36,7 @@ from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
 from workbench.agents.tuner import TunerAgent
 from workbench.cascade import smoke_run
 from workbench.costing import ceiling_for, commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
+from workbench.executor import LocalEvaluator
 from workbench.forcing import stock_reference
 from workbench.integration import evaluate_attempt, integrate_kept, record_kept
 from workbench.memory_cli import publish_verdict
@@ -87,11 +88,14 @@ class BudgetExhausted(Exception):
 
 class Loop:
     def __init__(self, ws: Workspace, opts: LoopOptions, progress: Callable[[str], None] | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, evaluator: Any = None) -> None:
         self.ws = ws
         self.opts = opts
         self.progress = progress or (lambda msg: None)
         self.executor = executor
+        # Where the cascade runs (`workbench.executor`): here, or on a Ray cluster (each agent's evaluation
+        # then starts as soon as its agent ends, beside the others).
+        self.evaluator = evaluator or LocalEvaluator()
         self.t0 = time.monotonic()
         self.dep_id = ws.deployment_id()
         self._ceiling: float | None = None  # this session's plausibility ceiling, once announced
@@ -319,13 +323,26 @@ class Loop:
                 self.ws.create_branch(name, base=base, agent=agent.name, direction=d.family, round_id=rnd.id)
             todo.append((name, d))
         executor = self.executor or LocalExecutor(min(len(todo) or 1, self.opts.agents, os.cpu_count() or 1))
+
+        def agent_then_evaluation(name: str, d: Direction) -> tuple[AgentResult, dict]:
+            res = self._run_agent(agent, name, d, gaps, visible)
+            self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
+                     {"branch": name, "committed": res.committed})
+            return res, self._attempt(name, d, agent.name, res, base, base_ar, ceiling)
+
         try:
-            futures = {name: executor.submit(self._run_agent, agent, name, d, gaps, visible) for name, d in todo}
+            if self.evaluator.concurrent:  # recorded in the round in the same order as below
+                futures = {name: executor.submit(agent_then_evaluation, name, d) for name, d in todo}
+            else:
+                futures = {name: executor.submit(self._run_agent, agent, name, d, gaps, visible) for name, d in todo}
             for name, d in todo:
-                res: AgentResult = futures[name].result()
-                self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
-                         {"branch": name, "committed": res.committed})
-                att = self._attempt(name, d, agent.name, res, base, base_ar, ceiling)
+                if self.evaluator.concurrent:
+                    _res, att = futures[name].result()
+                else:
+                    res: AgentResult = futures[name].result()
+                    self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
+                             {"branch": name, "committed": res.committed})
+                    att = self._attempt(name, d, agent.name, res, base, base_ar, ceiling)
                 summary["attempts"].append(att)
                 self.ws.memory.update_round(rnd.id, summary=summary)  # saved after every attempt
         finally:
@@ -396,7 +413,7 @@ class Loop:
             ceiling = ceiling_for(self.ws, self.hardware(), self.ws.head(name), ceiling)
         with tracking(self.ws.state, name):
             return evaluate_attempt(self.ws, name, d.family, agent, res, base, base_ar, ceiling, self.opts.min_gain,
-                                    self.say)
+                                    self.say, run=self.evaluator.evaluate)
 
     # -- integration -----------------------------------------------------------------------------------
 
@@ -405,7 +422,8 @@ class Loop:
         """The round's kept branches into one new base (`integrate_kept`), the merged ones recorded."""
         for a in kept:  # the combination may verify as wide as its widest part
             ceiling = ceiling_for(self.ws, self.hardware(), self.ws.head(a["branch"]), ceiling)
-        chosen = integrate_kept(self.ws, index, round_id, base, kept, base_ar, ceiling, self.opts.min_gain, self.say)
+        chosen = integrate_kept(self.ws, index, round_id, base, kept, base_ar, ceiling, self.opts.min_gain, self.say,
+                                run=self.evaluator.evaluate)
         for a in kept:
             if a["branch"] in chosen["merged"]:
                 self._record(a, base, index)

@@ -2,7 +2,7 @@
 
     specpilot-tui [--workspace PATH]
     specpilot-tui --auto --workspace PATH [--rounds N] [--agents K] [--agent tuner|llm]
-                  [--budget-minutes M] [--json]
+                  [--budget-minutes M] [--json] [--executor local|ray] [--ray-address ADDR]
 
 Headless, progress goes to stderr and a JSON summary to stdout (with --json; else a short table).
 The headless path never imports Textual.
@@ -13,6 +13,8 @@ Exit status (--auto):
     3  the time budget ended first (the summary covers what ran; run again to go on)
     4  interrupted (SIGINT/SIGTERM); the interrupted round resumes on the next run
     5  internal failure (one line on stderr; the workspace stays recoverable)
+    6  the executor could not start (Ray not installed, the cluster unreachable or without the
+       evaluation resource; one line on stderr)
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import TypeVar
 
 from workbench.agents.llm import LLMConfigError
 from workbench.cli_util import OneLineParser, fail, positive_float, positive_int, quiet_transformers
+from workbench.executor import ExecutorError, ExecutorSettings, make_evaluator
 from workbench.loop import Loop, LoopOptions, llm_config
 from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
 
-EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED = 0, 2, 3, 4, 5
+EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED, EXIT_EXECUTOR = 0, 2, 3, 4, 5, 6
 T = TypeVar("T")
 
 
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-global-memory", action="store_true",
                    help="neither read nor write the global memory (a cold start)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--executor", choices=("local", "ray"),
+                   help="where candidates are evaluated: here (local, the default) or on a Ray cluster "
+                        "(pip install -e .[ray]); default: [executor] kind in specpilot.toml, else local")
+    p.add_argument("--ray-address", help="the Ray cluster: host:port of its head, auto (RAY_ADDRESS or one "
+                                         "started on this machine; the default) or local (a one-node cluster here)")
     return p
 
 
@@ -100,7 +108,26 @@ def run_auto(args: argparse.Namespace) -> int:
         except LLMConfigError as e:
             ws.close()
             return fail(str(e))
-    code, summary = run_headless(ws, lambda: Loop(ws, opts, progress=_progress).run(), "loop")
+    try:
+        settings = ExecutorSettings.resolve(getattr(args, "executor", None), getattr(args, "ray_address", None),
+                                            ws.config.executor, f"{ws.path / 'specpilot.toml'}: [executor]")
+    except ExecutorError as e:
+        ws.close()
+        return fail(str(e))
+    if settings.kind == "local" and settings.address:
+        ws.close()
+        return fail(f"--ray-address {settings.address}: only with --executor ray (or [executor] kind = \"ray\")")
+    try:
+        evaluator = make_evaluator(settings, _progress)
+    except ExecutorError as e:
+        ws.close()
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_EXECUTOR
+    try:
+        code, summary = run_headless(ws, lambda: Loop(ws, opts, progress=_progress, evaluator=evaluator).run(),
+                                     "loop")
+    finally:
+        evaluator.shutdown()
     if summary is None:
         return code
     print(json.dumps(summary) if args.json else _table(summary))

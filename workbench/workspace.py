@@ -96,6 +96,7 @@ class WorkspaceConfig:
     limits: dict = field(default_factory=dict)
     bench: dict = field(default_factory=dict)  # noise_pairs, noise_margin: see cascade.noise_floor
     llm: dict = field(default_factory=dict)  # the [llm] table: the LLM agent's endpoint (the environment fills gaps)
+    executor: dict = field(default_factory=dict)  # the [executor] table: where evaluations run (workbench.executor)
 
     @classmethod
     def load(cls, path: Path) -> WorkspaceConfig:
@@ -116,7 +117,7 @@ class WorkspaceConfig:
                        config_file=s.get("config", "system.toml"), protected=list(s.get("protected", [])),
                        forcing_max_new_tokens=int(f.get("max_new_tokens", 64)),
                        max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim),
-                       bench=dict(bench), llm=dict(data.get("llm", {})))
+                       bench=dict(bench), llm=dict(data.get("llm", {})), executor=data.get("executor", {}))
         except KeyError as e:
             raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
 
@@ -143,6 +144,8 @@ class WorkspaceConfig:
             lines += ["", "[bench]"] + [f"{k} = {json.dumps(v)}" for k, v in self.bench.items()]
         if self.llm:
             lines += ["", "[llm]"] + [f"{k} = {json.dumps(v)}" for k, v in self.llm.items()]
+        if self.executor:
+            lines += ["", "[executor]"] + [f"{k} = {json.dumps(v)}" for k, v in self.executor.items()]
         return "\n".join(lines) + "\n"
 
     def model_dirs(self) -> list[Path]:
