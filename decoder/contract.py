@@ -26,6 +26,15 @@ def near_tie(margin: float | None, noise_floor: float) -> bool:
     return margin is not None and margin < near_tie_threshold(noise_floor)
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ (the shorter one's length when one is a prefix of
+    the other), None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def data_dir() -> Path:
     """Where SpecPilot keeps per-user data: `$SPECPILOT_DATA_DIR`, else `~/.local/share/specpilot`."""
     env = os.environ.get("SPECPILOT_DATA_DIR")

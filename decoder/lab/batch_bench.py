@@ -19,13 +19,12 @@ from tqdm import tqdm
 
 from decoder.batch import BatchEngine, BatchLM, BatchRun, Request, poisson_arrivals
 from decoder.config import FEATURE_DRAFTERS, DecodeConfig, verify_width
-from decoder.contract import near_tie
+from decoder.contract import first_divergence, near_tie
 from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 from decoder.generate import ar_generate
 from decoder.lab.bench import (
     BenchError,
     check_known,
-    first_divergence,
     load_bench_inputs,
     load_prompts,
     noise_floor,

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from decoder.capabilities import refusal
 from decoder.config import DecodeConfig, verify_width
-from decoder.contract import near_tie
+from decoder.contract import first_divergence, near_tie
 from decoder.featdraft import VOCAB_RANK_FILE
 from decoder.generate import generate
 from decoder.lab.peers import LLAMA_AR, PeerGroup, check_against_ar, is_peer, peer_entry
@@ -351,13 +351,6 @@ def repeated_ngram_fraction(tokens: list[int], n: int = 4) -> float:
     if not grams:
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir: Path, drafter_dir: Path | None,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from decoder.contract import near_tie
+from decoder.contract import first_divergence, near_tie
 from decoder.engines import Engine, EngineError, EngineNotBuilt
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings, require_built, server_spec_types
 from decoder.engines.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, gguf_path
@@ -174,13 +174,6 @@ def runner(engine: Engine, max_new_tokens: int) -> Callable[[list[int]], tuple[l
                                         draft_steps=int(done.drafted > 0))
 
     return run
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def check_against_ar(ar: Engine, prompt_ids: list[list[int]], prompt_names: list[str], outputs: list[list[int]],
