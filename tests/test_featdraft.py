@@ -172,7 +172,8 @@ def test_generate_dispatches_block_mtp_and_routed(target, prompts, references, u
     # A router that sends everything to prose (bias > 0, zero weights).
     DomainRouter([0.0] * vocab, 1.0).save(tmp_path / "router.json")
     heads = FeatureHeads(tmp_path, target.config, torch.bfloat16, torch.device("cpu"))
-    for drafter, graphs in (("block", False), ("mtp", False), ("routed", False), ("mtp", True)):
+    # cuda_graphs = true: the static step (eager here; the CUDA graph replay is scripts/gpu_check_graphs.py's)
+    for drafter, graphs in (("block", False), ("mtp", False), ("routed", False), ("block", True), ("mtp", True)):
         cfg = DecodeConfig(drafter=drafter, lean_forward=True, cuda_graphs=graphs, draft_len=5, max_new_tokens=40,
                            stop_at_eos=False)
         g = generate(cfg, target, prompts[0], heads=heads)
