@@ -1,10 +1,9 @@
 """GPU check for the host-overhead mechanisms (issue #11): lean forward and CUDA graphs on the demo.
 
 Runs on one CUDA device in bf16 in about a minute: AR and draft-model SD with the HF path, the lean
-forward, and the lean forward with CUDA graphs (StaticLeanLM), MTP heads on the lean and graph steps,
-on the demo's code prompts. Prints
-tokens/s per method and whether each method's tokens equal HF-path AR's, and writes
-$OUT/gpu_check_graphs.json when OUT is set.
+forward, and the lean forward with CUDA graphs (StaticLeanLM), the block drafter and MTP heads on the lean
+and graph steps, on the demo's code prompts. Prints tokens/s per method and whether each method's tokens
+equal HF-path AR's, and writes $OUT/gpu_check_graphs.json when OUT is set.
 
     python scripts/gpu_check_graphs.py [--prompts 8] [--max-new-tokens 128]
 """
@@ -52,10 +51,12 @@ def main() -> None:
         "sd-draft-model-lean-graphs": lambda p: speculative_generate(graph_t, DraftModelDrafter(graph_d), p, cfg),
     }
     heads_dir = drafters_dir(DEMO_DIR / "target")
-    if (heads_dir / "mtp" / "config.json").exists():  # feature drafters read the graph's captured hidden states
-        heads = FeatureHeads(heads_dir, target.config, torch.bfloat16, torch.device(args.device))
-        methods["sd-mtp-lean"] = lambda p: speculative_generate(lean_t, heads.state("mtp", lean_t), p, cfg)
-        methods["sd-mtp-lean-graphs"] = lambda p: speculative_generate(graph_t, heads.state("mtp", graph_t), p, cfg)
+    heads = FeatureHeads(heads_dir, target.config, torch.bfloat16, torch.device(args.device))
+    for kind in ("block", "mtp"):  # feature drafters read the graph's captured hidden states
+        if (heads_dir / kind / "config.json").exists():
+            methods[f"sd-{kind}-lean"] = lambda p, k=kind: speculative_generate(lean_t, heads.state(k, lean_t), p, cfg)
+            methods[f"sd-{kind}-lean-graphs"] = lambda p, k=kind: speculative_generate(graph_t, heads.state(k, graph_t),
+                                                                                       p, cfg)
     outputs, report = {}, {}
     for name, run in methods.items():
         run(prompts[0][-32:])  # warm-up (and graph capture)
