@@ -12,12 +12,21 @@ A step is a reply dict (see `call`, `calls`, `say`), `http_error(status)`, `slow
 comes after a sleep: longer than the client's timeout, it is a timeout), or a callable taking the request
 body and returning a step (to act mid-run, e.g. inject a steering message). When the script runs out, the
 `after` step (a callable or a reply) answers every further request.
+
+A request with `stream: true` gets server-sent events, as llama.cpp, vLLM and Ollama send them: the content
+and each tool call's arguments in pieces, then the finish reason, then the usage. While a `slow` step sleeps
+the stub watches the connection, and records in the request's `closed_at` (time.monotonic()) when the client
+went away; `arrived_at` is when the request came in. `routes` answers other paths (GET or POST) with fixed
+JSON, e.g. {"/props": {"default_generation_settings": {"n_ctx": 4096}}} to play llama.cpp; other paths get
+404 and are recorded in `probes`, not in `requests`.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -47,8 +56,9 @@ def say(text: str, *, tokens: int = 100) -> dict[str, Any]:
     return {"reply": {"role": "assistant", "content": text}, "finish_reason": "stop", "tokens": tokens}
 
 
-def http_error(status: int, message: str = "internal error") -> dict[str, Any]:
-    return {"status": status, "error": message}
+def http_error(status: int, message: str = "internal error", **extra: Any) -> dict[str, Any]:
+    """An error reply; `extra` joins the error object (e.g. llama.cpp's type and n_ctx on an overflow)."""
+    return {"status": status, "error": message, "extra": extra}
 
 
 def slow(seconds: float, step: Step) -> dict[str, Any]:
@@ -58,10 +68,13 @@ def slow(seconds: float, step: Step) -> dict[str, Any]:
 class OpenAIStub:
     """The scripted server; use as a context manager (starts and stops it)."""
 
-    def __init__(self, script: list[Step], *, after: Step | None = None) -> None:
+    def __init__(self, script: list[Step], *, after: Step | None = None,
+                 routes: dict[str, Any] | None = None) -> None:
         self.script = list(script)
         self.after = after
-        self.requests: list[dict[str, Any]] = []  # {"path", "headers", "body", "step"} in arrival order
+        self.routes = dict(routes or {})
+        self.requests: list[dict[str, Any]] = []  # chat requests: {"path", "headers", "body", "step", ...}
+        self.probes: list[dict[str, Any]] = []  # any other request: {"method", "path", "body"}
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -102,8 +115,13 @@ class OpenAIStub:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, format: str, *args: Any) -> None:  # quiet
                 pass
+
+            def do_GET(self) -> None:
+                self._route("GET", None)
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -111,26 +129,81 @@ class OpenAIStub:
                     body = json.loads(raw)
                 except json.JSONDecodeError:
                     body = {"unparsed": raw.decode(errors="replace")}
-                with stub.lock:
-                    stub.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
-                                          "body": body})
                 if not self.path.rstrip("/").endswith("/chat/completions"):
-                    return self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    return self._route("POST", body)
+                record = {"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
+                          "body": body, "arrived_at": time.monotonic(), "closed_at": None}
+                with stub.lock:
+                    stub.requests.append(record)
                 n, step = stub.next_step(body)
-                stub.requests[n]["step"] = step
+                record["step"] = step
                 while "sleep" in step:
-                    time.sleep(step["sleep"])
+                    if self._wait_or_closed(step["sleep"]):
+                        record["closed_at"] = time.monotonic()
+                        return
                     step = step["then"]
                     while callable(step):
                         step = step(body)
                 if "status" in step:
-                    return self._send(step["status"], {"error": {"message": step["error"], "type": "server_error"}})
+                    return self._send(step["status"], {"error": {"message": step["error"], "type": "server_error",
+                                                                 **step.get("extra", {})}})
                 tokens = step.get("tokens", 100)
+                usage = {"prompt_tokens": tokens - 10, "completion_tokens": 10, "total_tokens": tokens}
+                if body.get("stream"):
+                    return self._stream(n, body, step, usage)
                 self._send(200, {
                     "id": f"chatcmpl-{n}", "object": "chat.completion", "created": int(time.time()),
                     "model": body.get("model", "stub"),
                     "choices": [{"index": 0, "message": step["reply"], "finish_reason": step["finish_reason"]}],
-                    "usage": {"prompt_tokens": tokens - 10, "completion_tokens": 10, "total_tokens": tokens}})
+                    "usage": usage})
+
+            def _route(self, method: str, body: Any) -> None:
+                path = self.path.split("?")[0]
+                with stub.lock:
+                    stub.probes.append({"method": method, "path": path, "body": body})
+                if path in stub.routes:
+                    return self._send(200, stub.routes[path])
+                self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found_error"}})
+
+            def _wait_or_closed(self, seconds: float) -> bool:
+                """Sleep `seconds`, or less when the client closes the connection (then True)."""
+                end = time.monotonic() + seconds
+                while (left := end - time.monotonic()) > 0:
+                    ready, _, _ = select.select([self.connection], [], [], min(left, 0.02))
+                    if ready:
+                        try:
+                            if not self.connection.recv(1, socket.MSG_PEEK):  # b"": the client is gone
+                                return True
+                        except OSError:
+                            return True
+                        time.sleep(min(left, 0.02))
+                return False
+
+            def _stream(self, n: int, body: dict[str, Any], step: dict[str, Any], usage: dict[str, Any]) -> None:
+                base = {"id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": int(time.time()),
+                        "model": body.get("model", "stub")}
+                reply = step["reply"]
+                deltas: list[dict[str, Any]] = [{"role": "assistant", "content": None}]
+                text = reply.get("content") or ""
+                deltas += [{"content": text[i:i + 7]} for i in range(0, len(text), 7)]
+                for k, tc in enumerate(reply.get("tool_calls") or []):
+                    args = tc["function"]["arguments"]
+                    deltas.append({"tool_calls": [{"index": k, "id": tc["id"], "type": "function",
+                                                   "function": {"name": tc["function"]["name"], "arguments": ""}}]})
+                    deltas += [{"tool_calls": [{"index": k, "function": {"arguments": args[i:i + 9]}}]}
+                               for i in range(0, len(args), 9)]
+                events = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+                events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": step["finish_reason"]}]})
+                events.append({**base, "choices": [], "usage": usage})
+                data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
 
             def _send(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()

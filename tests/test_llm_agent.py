@@ -97,8 +97,10 @@ def make_ctx(wt: Path, events: list, smoke=None, branch: str = "llm-1") -> Agent
 
 
 def config(stub: OpenAIStub, **kw) -> LLMConfig:
+    # the stub answers at once: the timeouts are request_timeout_s, not a prompt's predicted prefill time
     base = {"base_url": stub.base_url, "model": "stub-coder", "api_key": KEY, "request_timeout_s": 5.0,
-            "retries": 3, "backoff_s": 0.01, "wall_s": 60.0}
+            "retries": 3, "backoff_s": 0.01, "wall_s": 60.0, "prefill_tokens_per_s": 1e6,
+            "decode_tokens_per_s": 1e6}
     return LLMConfig(**{**base, **kw})
 
 
@@ -108,6 +110,11 @@ def tool_results(messages: list[dict]) -> list[str]:
 
 def branch_repo(wt: Path) -> git.Repo:
     return git.Repo(wt)
+
+
+def varied(name: str, **kw):
+    """A stub step: the same tool call with a different pattern each time (identical replies end a run)."""
+    return lambda body: call(name, pattern=f"x{len(body['messages'])}", **kw)
 
 
 # -- the scripted session ---------------------------------------------------------------------------------------
@@ -222,7 +229,7 @@ def test_mechanism_commit_survives_a_multi_call_reply(worktree: Path):
 
 def test_turn_budget_stops_a_model_that_never_finishes(worktree: Path):
     events: list = []
-    with OpenAIStub([], after=lambda body: call("list_files", path=".")) as stub:
+    with OpenAIStub([], after=varied("grep")) as stub:
         result = LLMAgent(config(stub, max_turns=3)).run(make_ctx(worktree, events))
     assert not result.committed
     assert result.message == "turn budget spent (3 turns) before finish; no change made"
@@ -233,7 +240,7 @@ def test_turn_budget_stops_a_model_that_never_finishes(worktree: Path):
 def test_token_budget_commits_the_work_so_far(worktree: Path):
     events: list = []
     script = [call("edit", path="decoder/fast.py", blocks=block("", "FAST = True\n"), tokens=1000)]
-    with OpenAIStub(script, after=lambda body: call("list_files", tokens=1000)) as stub:
+    with OpenAIStub(script, after=varied("grep", tokens=1000)) as stub:
         result = LLMAgent(config(stub, max_tokens_total=2500)).run(make_ctx(worktree, events))
     assert result.committed
     assert result.message.startswith("token budget spent (3000 of 2500 tokens) before finish; committed")
@@ -245,7 +252,7 @@ def test_token_budget_commits_the_work_so_far(worktree: Path):
 
 def test_wall_budget_stops_a_slow_model(worktree: Path):
     events: list = []
-    with OpenAIStub([], after=lambda body: slow(0.3, call("list_files"))) as stub:
+    with OpenAIStub([], after=lambda body: slow(0.3, varied("grep")(body))) as stub:
         result = LLMAgent(config(stub, wall_s=1.0)).run(make_ctx(worktree, events))
     assert not result.committed
     assert "wall-time budget" in result.message

@@ -261,7 +261,8 @@ class Loop:
             self.ws.memory.record_event(kind, f"{branch}: {message}", {"branch_id": b.id, **payload})
 
         ctx = AgentContext(branch, self.ws.worktree_path(branch), d, gaps["breakdown"]["gaps"], visible,
-                           self._smoke(branch), log, q, stop, git_common_dir=Path(self.ws.repo.git_dir))
+                           self._smoke(branch), log, q, stop, git_common_dir=Path(self.ws.repo.git_dir),
+                           deadline=self.t0 + self.opts.budget_minutes * 60)  # the agent ends inside the budget
         self.ws.begin_evaluation(b, "running")
         with tracking(self.ws.state, branch, keep=True):  # the evaluation goes on where the agent stops
             step(f"{agent.name} agent", detail=d.family)

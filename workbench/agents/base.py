@@ -53,6 +53,8 @@ class AgentContext:
     # The main repository's git dir (trusted); None: the workspace layout's, WS/.git for
     # WS/.specpilot/worktrees/NAME. Never discovered from the worktree's own `.git`, which the candidate controls.
     git_common_dir: Path | None = None
+    # time.monotonic() by which the agent must have returned (the loop's budget); None: only its own budgets
+    deadline: float | None = None
 
     def git(self) -> git.Git:
         """Hardened git for this worktree (see `workbench.safegit`)."""

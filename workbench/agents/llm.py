@@ -1,4 +1,5 @@
-"""The LLM agent: a tool-calling loop over any OpenAI-compatible chat endpoint (vLLM, llama.cpp, Ollama, hosted).
+"""The LLM agent: a tool-calling loop over any OpenAI-compatible chat endpoint (vLLM, llama.cpp, Ollama,
+LM Studio, hosted), with a plain-text protocol for endpoints and models that do not call tools.
 
     cfg = LLMConfig.load(config_section)            # [llm] section of a config file, environment fills the gaps
     result = LLMAgent(cfg).run(ctx)                 # ctx: workbench.agents.base.AgentContext
@@ -9,6 +10,21 @@ does not apply) goes back to it as the tool result, so it can correct itself; HT
 connection errors are retried with exponential backoff. Budgets on turns, tokens and wall time end a model
 that never finishes: whatever it changed is committed and the reason is given in one line. Every request
 and response is written to the ledger through ctx.log with secrets redacted.
+
+Small local endpoints (workbench/agents/endpoint.py, textproto.py):
+- Context: the endpoint's size is learnt (llama.cpp /props, Ollama /api/show, LM Studio, /v1/models, the
+  [llm] context_tokens setting, or the first overflow error) and every request is kept inside it: a compact
+  opening message when the context is small, tool results cut to a sixth of it, older turns cut and
+  summarised in one line each, and max_tokens so that prompt plus reply fit.
+- Protocol: with protocol "auto" a reply without tool calls is read as text (SEARCH/REPLACE blocks after a
+  file line, and LIST/READ/GREP/SMOKE/FINISH lines); from then on, or from the start when the endpoint says
+  its chat template takes no tools, the agent speaks only text. A reply with no action gets one corrective
+  message; a second in a row ends the run with "model produced no actionable edit".
+- Time: each request streams, with a first-token timeout and a total timeout scaled by the prompt's size and
+  the measured prefill and decode rates; a timed-out request is cancelled (its socket shut down) before a
+  retry. The wall budget, cut to the loop's deadline, is hard: no request or backoff outlives it, and a
+  smoke run starts only when one fits.
+- Repetition: two identical replies in a row end the run early.
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ import json
 import os
 import queue
 import re
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Mapping
@@ -30,6 +47,16 @@ import git
 
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.agents.edits import EditError, apply_blocks, parse_blocks
+from workbench.agents.endpoint import (
+    EndpointInfo,
+    Reply,
+    RequestError,
+    context_from_error,
+    is_overflow,
+    probe,
+    stream_chat,
+)
+from workbench.agents.textproto import TEXT_NUDGE, TEXT_RULES, Action, parse_reply, signature
 from workbench.progress import step
 from workbench.safegit import SafeGitError
 
@@ -42,6 +69,14 @@ MAX_GREP_HITS = 200
 MAX_PROMPT_CHARS = 2_000  # per visible prompt in the opening message
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".specpilot"}
 UNSTAGED = (":(exclude,glob)**/__pycache__/**", ":(exclude,glob)**/*.pyc")  # smoke runs leave these behind
+PROTOCOLS = ("auto", "tools", "text")
+ASSUMED_CONTEXT = 32_768  # an endpoint that does not say its context size, until an overflow error does
+COMPACT_BELOW = 16_384  # contexts smaller than this get the compact opening message
+ASSUMED_PREFILL_TPS = 25.0  # prompt tokens per second assumed before one request has measured it
+ASSUMED_DECODE_TPS = 5.0
+TIMEOUT_SLACK = 2.0  # a timeout allows this many times the time the measured rates predict
+CONTEXT_MARGIN = 64  # tokens kept free of the estimate's error
+STOP_GRACE_S = 0.3  # a request in flight when the engineer stops gets this long to finish its reply
 COMMIT_IDENTITY = {"GIT_AUTHOR_NAME": "SpecPilot llm agent", "GIT_AUTHOR_EMAIL": "specpilot@localhost",
                    "GIT_COMMITTER_NAME": "SpecPilot llm agent", "GIT_COMMITTER_EMAIL": "specpilot@localhost"}
 
@@ -69,11 +104,21 @@ class LLMConfig:
     retries: int = 4  # extra attempts after an HTTP 5xx / 429, a timeout or a connection error
     temperature: float = 0.2
     backoff_s: float = 1.0  # first retry delay; doubles each retry
+    context_tokens: int = 0  # the endpoint's context size; 0: learn it (/props, /api/show, /v1/models, overflow error)
+    protocol: str = "auto"  # tools, text (SEARCH/REPLACE blocks and commands in the reply), auto: tools until the
+    #                         endpoint says it takes none or the model answers in text
+    max_reply_tokens: int = 1024  # max_tokens of one request (less when the context is small)
+    prefill_tokens_per_s: float = 0.0  # assumed prompt rate until one is measured; 0: 25 tok/s (a slow CPU)
+    decode_tokens_per_s: float = 0.0  # assumed generation rate until one is measured; 0: 5 tok/s
 
     def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise LLMConfigError(f"LLM setting protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         for name, kind, low in (("max_turns", int, 1), ("max_tokens_total", int, 1), ("wall_s", float, 0.001),
                                 ("request_timeout_s", float, 0.001), ("retries", int, 0),
-                                ("temperature", float, 0.0), ("backoff_s", float, 0.0)):
+                                ("temperature", float, 0.0), ("backoff_s", float, 0.0), ("context_tokens", int, 0),
+                                ("max_reply_tokens", int, 16), ("prefill_tokens_per_s", float, 0.0),
+                                ("decode_tokens_per_s", float, 0.0)):
             raw = getattr(self, name)
             try:
                 if isinstance(raw, bool):
@@ -236,6 +281,17 @@ class WorktreeTools:
             out.append(f"... {total - len(out)} more files; list a subfolder")
         return "\n".join(out) if out else f"{self.rel(base)} is empty"
 
+    def text_files(self) -> list[str]:
+        """Relative paths of the worktree's files under 2 MB (candidates for a block that names no file)."""
+        out = []
+        for d, dirs, files in os.walk(self.root):
+            dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
+            for name in sorted(files):
+                p = Path(d) / name
+                if name != ".git" and not p.is_symlink() and p.stat().st_size < 2_000_000:
+                    out.append(self.rel(p))
+        return out
+
     def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
         """Numbered lines start_line..end_line (1-based, inclusive) of a text file."""
         p = self.resolve(path)
@@ -389,22 +445,63 @@ work. Plain-text replies are not read; keep working with tools until you call fi
 - Messages that start with "Engineer:" come from the engineer steering you; follow them."""
 
 NUDGE = ("No tool call in your reply. Keep working with the tools, and call finish(summary, mechanism_name) "
-         "when your change is ready (or with no change to give up).")
+         "when your change is ready (or with no change to give up). If you cannot call tools, write a "
+         "SEARCH/REPLACE block after a line naming the file, or a command line: READ path, FINISH name: summary. "
+         "Another reply without an action ends your work.")
+
+TEXT_SYSTEM_PROMPT = SYSTEM_PROMPT.split("\n\nRules:")[0].replace("through tools only", "by writing actions in "
+                                                                  "your reply") + """
+
+Rules:
+- The output must stay token-identical to the stock system under greedy decoding; every token is checked \
+against stock, on hidden prompts too. Never special-case prompts, memoize outputs or play with clocks.
+- Change only the system code and its mechanism config; protected paths (specpilot.toml, prompts) are off limits.
+- Copy SEARCH lines exactly from the file. Make one small change, then SMOKE, then FINISH.
+
+""" + TEXT_RULES
 
 
-def opening_message(ctx: AgentContext) -> str:
-    """The task: the gap breakdown, the direction, the visible prompts (never the hidden split)."""
+def opening_message(ctx: AgentContext, compact: bool = False, config_excerpt: str = "",
+                    files: list[str] | None = None) -> str:
+    """The task: the gap breakdown, the direction, the visible prompts (never the hidden split).
+
+    `compact` (a small context): one line per item, one prompt, names and summaries only; `config_excerpt`
+    (the mechanism config file, clipped) and `files` (the worktree's file names) are added when given.
+    """
+    d = ctx.direction
+    extra = []
+    if config_excerpt:
+        extra.append(config_excerpt)
+    if files:
+        extra.append("Files: " + ", ".join(files))
+    if compact:
+        def names(items: list[dict[str, Any]]) -> str:
+            return "; ".join(f"{m.get('name')} ({_clip(' '.join(str(m.get('summary', '')).split()), 120)})"
+                             for m in items[:8]) or "none"
+        gaps = ", ".join(f"{g.get('family')} {float(g.get('ms_per_token', 0)):.2f}" for g in ctx.gap_breakdown[:5])
+        first = ctx.visible_prompts[0] if ctx.visible_prompts else None
+        return "\n\n".join([
+            f"Your direction: the {d.family} gap ({d.gap_ms:.3f} ms per generated token lost against its "
+            f"ceiling): {d.summary}. Close as much of it as you can without changing a single output token.",
+            f"Known mechanisms for it: {names(d.mechanisms)}.\nAccepted on other deployments: {names(d.memory)}.",
+            f"Largest gaps (ms per token): {gaps}.",
+            *([f"A visible prompt (1 of {len(ctx.visible_prompts)}): "
+               + _clip(str(first.get('text', '')), 300)] if first else []),
+            *extra,
+            "Make one small change to the system, check it, and hand it in.",
+        ])
     prompts = [{"id": p.get("id"), "text": _clip(str(p.get("text", "")), MAX_PROMPT_CHARS)}
                for p in ctx.visible_prompts]
     return "\n\n".join([
-        f"Your direction: the {ctx.direction.family} gap ({ctx.direction.gap_ms:.3f} ms per generated token lost "
+        f"Your direction: the {d.family} gap ({d.gap_ms:.3f} ms per generated token lost "
         f"against its ceiling). Close as much of it as you can without changing a single output token.",
         "Direction (gap family, measured gap, the decoder's registry mechanisms for it, mechanisms memory holds "
-        "for it):\n" + json.dumps(ctx.direction.as_dict(), indent=1, default=str),
+        "for it):\n" + json.dumps(d.as_dict(), indent=1, default=str),
         "Gap breakdown of the current base (the cost model's ranked gaps):\n"
         + json.dumps(ctx.gap_breakdown, indent=1, default=str),
         f"Visible prompts ({len(prompts)}; the system is also checked on hidden ones):\n"
         + json.dumps(prompts, indent=1, ensure_ascii=False),
+        *extra,
         "Start by reading specpilot.toml and the system code, then make your change and call finish.",
     ])
 
@@ -420,27 +517,18 @@ class _RequestFailed(Exception):
     """The model could not be reached (retries spent or a non-retryable error): the run ends."""
 
 
+class _OutOfTime(Exception):
+    """The wall budget ran out during a request or its retries: the run ends with the budget's reason."""
+
+
 class LLMAgent:
-    """An agent that lets an LLM behind an OpenAI-compatible endpoint edit its branch with tools."""
+    """An agent that lets an LLM behind an OpenAI-compatible endpoint edit its branch with tools or text."""
 
     name = "llm"
 
-    def __init__(self, config: LLMConfig, *, client: Any | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: LLMConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self._client = client
         self._clock = clock
-
-    def client(self) -> Any:
-        """The openai client, its own retries off (this agent retries, so every attempt is logged)."""
-        if self._client is None:
-            try:
-                import openai
-            except ImportError:
-                raise LLMConfigError("the LLM agent needs the openai package: pip install openai") from None
-            self._client = openai.OpenAI(base_url=self.config.base_url, api_key=self.config.api_key,
-                                         max_retries=0, timeout=self.config.request_timeout_s)
-        return self._client
 
     def run(self, ctx: AgentContext) -> AgentResult:
         """Work on ctx.worktree until finish, a budget or ctx.stop; commit on ctx.branch; say what was done."""
@@ -463,15 +551,29 @@ class _Session:
         self.tools = WorktreeTools(ctx.worktree)
         self.repo: git.Git | None = None
         self.start_head = ""
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
-                                               {"role": "user", "content": opening_message(ctx)}]
+        self.messages: list[dict[str, Any]] = []
+        self.opening = ""
         self.logged = 0  # messages already written to the ledger
         self.turns = 0
         self.tokens = 0
         self.t0 = agent._clock()
+        self.wall_s = self.cfg.wall_s
+        if ctx.deadline is not None:  # the loop's budget ends sooner than this agent's own
+            self.wall_s = max(0.001, min(self.wall_s, ctx.deadline - time.monotonic()))
         self.tool_errors = 0
         self.retried = 0
         self.latency = 0.0
+        self.mode = "text" if self.cfg.protocol == "text" else "tools"
+        self.n_ctx = self.cfg.context_tokens or ASSUMED_CONTEXT
+        self.ctx_source = "[llm] context_tokens" if self.cfg.context_tokens else "assumed (the endpoint did not say)"
+        self.chars_per_token = 3.0  # conservative until a reply's usage measures it
+        self.prefill_tps: float | None = None
+        self.decode_tps: float | None = None
+        self.notes: list[str] = []  # one line per action, for the summary of turns cut from the context
+        self.last_signature: str | None = None
+        self.idle = 0  # consecutive replies with no action
+        self.smoke_s = 0.0  # how long the last smoke run took
+        self.max_request_tokens = 0  # the largest prompt estimate sent (with its max_tokens)
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -488,10 +590,15 @@ class _Session:
         if branch != self.ctx.branch:
             return AgentResult(False, f"worktree {self.ctx.worktree} is on {branch}, not branch {self.ctx.branch}; "
                                       f"nothing done")
-        self.log("llm.start", f"llm agent on {self.ctx.branch}: {self.ctx.direction.family} with {self.cfg.model}",
+        info = self.learn_endpoint()
+        self.start_conversation()
+        self.log("llm.start", f"llm agent on {self.ctx.branch}: {self.ctx.direction.family} with {self.cfg.model} "
+                              f"({self.mode} protocol, context {self.n_ctx} tokens, {self.ctx_source})",
                  {"model": self.cfg.model, "base_url": self.cfg.base_url, "start_head": self.start_head,
+                  "protocol": self.mode, "context_tokens": self.n_ctx, "context_source": self.ctx_source,
+                  "endpoint_tool_calls": info.tool_calls,
                   "budgets": {"max_turns": self.cfg.max_turns, "max_tokens_total": self.cfg.max_tokens_total,
-                              "wall_s": self.cfg.wall_s}})
+                              "wall_s": self.wall_s}})
         while True:
             self.drain_steering()
             reason = self.budget_spent()
@@ -501,17 +608,79 @@ class _Session:
             step("llm turn", self.turns, self.cfg.max_turns, self.cfg.model)
             try:
                 reply = self.request()
+            except _OutOfTime:
+                return self.end(self.wall_reason())
             except _RequestFailed as e:
-                return self.end(f"LLM request failed: {e}")
+                return self.end(str(e) if str(e) == "stopped by the engineer" else f"LLM request failed: {e}")
             calls = self.take_reply(reply)
-            if not calls:
-                self.messages.append({"role": "user", "content": NUDGE})
+            sig = signature(reply.content, [(c.name, c.arguments) for c in calls])
+            if sig == self.last_signature:
+                return self.end("the model repeated its previous reply word for word (2 identical replies in a "
+                                "row); stopped early")
+            self.last_signature = sig
+            if calls and self.mode == "tools":
+                self.idle = 0
+                for call in calls:
+                    result, done = self.dispatch(call)
+                    self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                    if done is not None:
+                        return self.close(done)
                 continue
-            for call in calls:
-                result, done = self.dispatch(call)
-                self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-                if done is not None:
-                    return self.close(done)
+            actions = parse_reply(reply.content) if self.cfg.protocol != "tools" else []
+            if not actions:
+                self.idle += 1
+                self.notes.append(f"turn {self.turns}: no action")
+                if self.idle >= 2:
+                    return self.end("model produced no actionable edit (two replies in a row with neither a tool "
+                                    "call nor a SEARCH/REPLACE block or command)")
+                self.messages.append({"role": "user", "content": TEXT_NUDGE if self.mode == "text" else NUDGE})
+                continue
+            self.idle = 0
+            switched = self.mode == "tools"
+            if switched:
+                self.mode = "text"
+                self.log("llm.protocol", f"turn {self.turns}: the model answered in text; switching to the text "
+                                         f"protocol", {"turn": self.turns})
+            results, done = self.run_actions(actions)
+            if done is not None:
+                return self.close(done)
+            self.messages.append({"role": "user", "content": ("Results:\n" + results) + (
+                "\n\n" + TEXT_RULES if switched else "")})
+
+    def learn_endpoint(self) -> EndpointInfo:
+        """The endpoint's context size and tool support, unless the settings fix both."""
+        if self.cfg.context_tokens and self.cfg.protocol != "auto":
+            return EndpointInfo(self.cfg.context_tokens, "[llm] context_tokens", None)
+        info = probe(self.cfg.base_url, self.cfg.api_key, self.cfg.model)
+        if info.context_tokens and not self.cfg.context_tokens:
+            self.n_ctx, self.ctx_source = info.context_tokens, info.source
+        if info.tool_calls is False and self.cfg.protocol == "auto":
+            self.mode = "text"
+        return info
+
+    def start_conversation(self) -> None:
+        compact = self.n_ctx < COMPACT_BELOW
+        excerpt = self.config_excerpt(1_500 if compact else 6_000)
+        try:
+            listing = self.tools.list_files(".").splitlines()
+        except ToolError:
+            listing = []
+        files = [ln.rsplit(" (", 1)[0] for ln in listing[:40 if compact else 200]]
+        self.opening = opening_message(self.ctx, compact=compact, config_excerpt=excerpt, files=files)
+        system = TEXT_SYSTEM_PROMPT if self.mode == "text" else SYSTEM_PROMPT
+        self.messages = [{"role": "system", "content": system}, {"role": "user", "content": self.opening}]
+
+    def config_excerpt(self, limit: int) -> str:
+        """The mechanism config named by specpilot.toml's [system] config, numbered, clipped to `limit` chars."""
+        try:
+            data = tomllib.loads((self.tools.root / "specpilot.toml").read_text())
+            name = str(data.get("system", {}).get("config") or "")
+            if not name:
+                return ""
+            text = self.tools.read_file(name)
+        except (OSError, tomllib.TOMLDecodeError, ToolError):
+            return ""
+        return f"The mechanism config, {name} (edit it like any file):\n" + _clip(text, limit)
 
     def drain_steering(self) -> None:
         while True:
@@ -529,83 +698,269 @@ class _Session:
             return f"turn budget spent ({self.cfg.max_turns} turns) before finish"
         if self.tokens >= self.cfg.max_tokens_total:
             return f"token budget spent ({self.tokens} of {self.cfg.max_tokens_total} tokens) before finish"
-        if self.elapsed() >= self.cfg.wall_s:
-            return f"wall-time budget spent ({self.cfg.wall_s:g} s) before finish"
+        if self.elapsed() >= self.wall_s:
+            return self.wall_reason()
         return ""
+
+    def wall_reason(self) -> str:
+        return f"wall-time budget spent ({self.wall_s:g} s) before finish"
 
     def elapsed(self) -> float:
         return self.agent._clock() - self.t0
 
+    def left(self) -> float:
+        return self.wall_s - self.elapsed()
+
+    # -- the context ---------------------------------------------------------------------------------------
+
+    def estimate(self, messages: list[dict[str, Any]]) -> int:
+        """Prompt tokens of `messages` (and the tool schemas in tools mode), from the measured chars per token."""
+        chars = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or "")) + 16
+                    for m in messages)
+        if self.mode == "tools":
+            chars += len(json.dumps(TOOLS))
+        return int(chars / self.chars_per_token) + 8 * len(messages)
+
+    def reply_tokens(self) -> int:
+        return max(16, min(self.cfg.max_reply_tokens, self.n_ctx // 4))
+
+    def prompt_budget(self) -> int:
+        return self.n_ctx - self.reply_tokens() - CONTEXT_MARGIN
+
+    def result_limit(self) -> int:
+        """Characters a tool result may take: a sixth of the context, at most MAX_TOOL_RESULT_CHARS."""
+        return max(400, min(MAX_TOOL_RESULT_CHARS, int(self.n_ctx * self.chars_per_token / 6)))
+
+    def fit_context(self) -> None:
+        """Keep the request inside the context: cut older turns (summarised in the opening message), then clip."""
+        budget = self.prompt_budget()
+        if self.estimate(self.messages) <= budget:
+            return
+        before = len(self.messages)
+        head, tail = self.messages[:2], self.messages[2:]
+        turns: list[list[dict[str, Any]]] = []
+        for m in tail:  # a turn: an assistant message and what answered it (tool results, the next user text)
+            if m["role"] == "assistant" or not turns:
+                turns.append([])
+            turns[-1].append(m)
+        kept: list[list[dict[str, Any]]] = []
+        for turn in reversed(turns):
+            trial = [m for t in [turn, *kept] for m in t]
+            if kept and self.estimate(head + trial) > budget * 0.8:
+                break
+            kept.insert(0, turn)
+        cut = len(turns) - len(kept)
+        summary = ""
+        if cut:
+            lines = self.notes[-40:]
+            summary = (f"\n\nEarlier turns, summarised (cut to fit the model's context of {self.n_ctx} tokens):\n"
+                       + "\n".join(lines))
+        messages = [head[0], {"role": "user", "content": self.opening + summary}] + [m for t in kept for m in t]
+        while messages and messages[2:3] and messages[2]["role"] == "tool":  # a result without its call
+            messages.pop(2)
+        over = self.estimate(messages) - budget
+        if over > 0:  # still too long: clip the longest messages, the opening last
+            for m in sorted(messages[2:], key=lambda m: -len(str(m.get("content") or ""))) + [messages[1]]:
+                text = str(m.get("content") or "")
+                keep = max(200, len(text) - int((over + 16) * self.chars_per_token))
+                if keep < len(text):
+                    m["content"] = _clip(text, keep)
+                over = self.estimate(messages) - budget
+                if over <= 0:
+                    break
+        self.messages = messages
+        self.logged = min(self.logged, len(self.messages))
+        self.log("llm.compact", f"turn {self.turns}: {before} messages -> {len(messages)} to fit {self.n_ctx} tokens",
+                 {"turn": self.turns, "context_tokens": self.n_ctx, "turns_cut": cut,
+                  "estimate": self.estimate(messages), "budget": budget})
+
     # -- requests ------------------------------------------------------------------------------------------
 
-    def request(self) -> Any:
-        """One chat completion, retried on 5xx / 429, timeouts and connection errors with exponential backoff."""
-        client = self.agent.client()  # first: it says how to install openai when it is missing
-        import openai
+    def timeouts(self, prompt_tokens: int, reply_tokens: int) -> tuple[float, float]:
+        """(first-token, total) timeouts: the floor request_timeout_s, or the time the rates predict times slack."""
+        prefill = self.prefill_tps or self.cfg.prefill_tokens_per_s or ASSUMED_PREFILL_TPS
+        decode = self.decode_tps or self.cfg.decode_tokens_per_s or ASSUMED_DECODE_TPS
+        first = max(self.cfg.request_timeout_s, TIMEOUT_SLACK * prompt_tokens / prefill)
+        total = first + max(self.cfg.request_timeout_s, TIMEOUT_SLACK * reply_tokens / decode)
+        return first, total
 
+    def request(self) -> Reply:
+        """One streamed chat completion, retried on 5xx / 429, timeouts and connection errors with exponential
+        backoff, each attempt cancelled before the next; an overflow error shrinks the context and resends."""
         new = self.flush_messages(log=False)
-        for attempt in range(self.cfg.retries + 1):
-            left = self.cfg.wall_s - self.elapsed()
+        attempt = 0
+        overflows = 0
+        while True:
+            self.fit_context()
+            left = self.left()
             if left <= 0:
-                raise _RequestFailed(f"wall-time budget ({self.cfg.wall_s:g} s) spent while retrying")
-            timeout = min(self.cfg.request_timeout_s, left)
-            self.log("llm.request", f"turn {self.turns} attempt {attempt + 1}: {len(self.messages)} messages",
-                     {"turn": self.turns, "attempt": attempt + 1, "model": self.cfg.model, "timeout_s": timeout,
-                      "n_messages": len(self.messages), "new_messages": new if attempt == 0 else []})
-            t = time.monotonic()
+                raise _OutOfTime
+            est = self.estimate(self.messages)
+            reply_tokens = self.reply_tokens()
+            first_s, total_s = self.timeouts(est, reply_tokens)
+            first_s, total_s = min(first_s, left), min(total_s, left)
+            self.max_request_tokens = max(self.max_request_tokens, est + reply_tokens)
+            body: dict[str, Any] = {"model": self.cfg.model, "messages": self.messages,
+                                    "temperature": self.cfg.temperature, "max_tokens": reply_tokens}
+            if self.mode == "tools":
+                body.update(tools=TOOLS, tool_choice="auto")
+            self.log("llm.request", f"turn {self.turns} attempt {attempt + 1}: {len(self.messages)} messages, "
+                                    f"~{est} prompt tokens of {self.n_ctx}",
+                     {"turn": self.turns, "attempt": attempt + 1, "model": self.cfg.model, "protocol": self.mode,
+                      "n_messages": len(self.messages), "prompt_tokens_est": est, "max_tokens": reply_tokens,
+                      "context_tokens": self.n_ctx, "first_token_timeout_s": round(first_s, 3),
+                      "timeout_s": round(total_s, 3), "new_messages": new if attempt == 0 else []})
+            stop = _GracefulStop(self.ctx.stop, STOP_GRACE_S)
             try:
-                reply = client.chat.completions.create(
-                    model=self.cfg.model, messages=self.messages, tools=TOOLS, tool_choice="auto",
-                    temperature=self.cfg.temperature, timeout=timeout)
-            except openai.APITimeoutError:
-                why = f"timed out after {timeout:g} s"
-            except openai.APIConnectionError as e:
-                why = f"connection error ({_one_line(e)})"
-            except openai.APIStatusError as e:
-                if e.status_code < 500 and e.status_code != 429:
-                    raise _RequestFailed(f"HTTP {e.status_code} from {self.cfg.base_url}: "
-                                         f"{_clip(_one_line(e), 300)}") from None
-                why = f"HTTP {e.status_code}"
-            except openai.OpenAIError as e:
-                raise _RequestFailed(f"{type(e).__name__}: {_clip(_one_line(e), 300)}") from None
+                reply = stream_chat(self.cfg.base_url.rstrip("/") + "/chat/completions",
+                                    {"Authorization": f"Bearer {self.cfg.api_key}"}, body,
+                                    first_token_s=first_s, total_s=total_s, stop=stop)
+            except RequestError as e:
+                if e.kind == "stopped":
+                    raise _RequestFailed("stopped by the engineer") from None
+                if e.status is not None and 400 <= e.status < 500 and is_overflow(e.body or str(e)) and overflows < 2:
+                    overflows += 1
+                    named = context_from_error(e.body or str(e))
+                    self.n_ctx = min(named or int(est * 0.8), self.n_ctx)
+                    self.ctx_source = f"overflow error ({_clip(_one_line(e), 120)})"
+                    self.log("llm.context", f"turn {self.turns}: the request did not fit; context now {self.n_ctx} "
+                                            f"tokens", {"turn": self.turns, "context_tokens": self.n_ctx,
+                                                        "error": _clip(_one_line(e), 300)})
+                    continue
+                if not e.retryable:
+                    text = _clip(_one_line(e), 300)
+                    if e.kind == "status" and e.status:
+                        text = text.replace(f"HTTP {e.status}", f"HTTP {e.status} from {self.cfg.base_url}", 1)
+                    raise _RequestFailed(text) from None
+                why = "HTTP " + str(e.status) if e.kind == "status" and e.status else _one_line(e)
+                if e.kind == "timeout" and self.left() <= 0.01 * self.wall_s:
+                    raise _OutOfTime from None
             else:
-                if not getattr(reply, "choices", None):
-                    raise _RequestFailed(f"the server at {self.cfg.base_url} sent a reply with no choices")
-                self.latency = time.monotonic() - t
+                self.measure(reply, est)
                 return reply
             if attempt == self.cfg.retries:
                 raise _RequestFailed(f"{why}; gave up after {attempt + 1} attempts")
-            delay = min(self.cfg.backoff_s * 2 ** attempt, max(0.0, self.cfg.wall_s - self.elapsed()))
+            delay = min(self.cfg.backoff_s * 2 ** attempt, max(0.0, self.left()))
             self.retried += 1
             self.log("llm.retry", f"turn {self.turns}: {why}; retrying in {delay:.2f} s",
                      {"turn": self.turns, "attempt": attempt + 1, "error": why, "delay_s": delay})
             if self.ctx.stop.wait(delay):
-                raise _RequestFailed("stopped by the engineer while retrying")
-        raise AssertionError("unreachable")
+                raise _RequestFailed("stopped by the engineer")
+            attempt += 1
 
-    def take_reply(self, reply: Any) -> list[_Call]:
+    def measure(self, reply: Reply, est: int) -> None:
+        """Learn chars per token and the prefill and decode rates from a completed reply."""
+        self.latency = reply.total_s
+        usage = reply.usage or {}
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int) and prompt > 50:
+            chars = est * self.chars_per_token  # what the estimate counted, in characters
+            self.chars_per_token = max(1.5, min(6.0, 0.9 * chars / prompt))
+        t = reply.timings or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        if t.get("prompt_n", 0) >= 32 and t.get("prompt_per_second"):
+            rate = float(t["prompt_per_second"])
+        elif isinstance(prompt, int) and prompt - cached >= 64 and reply.first_token_s > 0:
+            rate = (prompt - cached) / reply.first_token_s
+        else:
+            rate = None
+        if rate:
+            self.prefill_tps = rate if self.prefill_tps is None else (self.prefill_tps + rate) / 2
+        done = usage.get("completion_tokens")
+        if t.get("predicted_n", 0) >= 8 and t.get("predicted_per_second"):
+            rate = float(t["predicted_per_second"])
+        elif isinstance(done, int) and done >= 8 and reply.total_s > reply.first_token_s:
+            rate = done / (reply.total_s - reply.first_token_s)
+        else:
+            rate = None
+        if rate:
+            self.decode_tps = rate if self.decode_tps is None else (self.decode_tps + rate) / 2
+
+    def take_reply(self, reply: Reply) -> list[_Call]:
         """Append the assistant message to the conversation, count tokens, log it; return its tool calls."""
-        choice = reply.choices[0]
-        msg = choice.message
-        calls = [_Call(getattr(tc, "id", None) or f"call_{self.turns}_{k}", _fn(tc, "name"), _fn(tc, "arguments"))
-                 for k, tc in enumerate(msg.tool_calls or [])]
-        usage = getattr(reply, "usage", None)
-        total = getattr(usage, "total_tokens", None) if usage is not None else None
+        calls = [_Call(c["id"] or f"call_{self.turns}_{k}", c["name"], c["arguments"])
+                 for k, c in enumerate(reply.tool_calls)] if self.mode == "tools" else []
+        usage = reply.usage or {}
+        total = usage.get("total_tokens")
         if isinstance(total, int):
             self.tokens += total
-        entry: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+        else:  # a server that reports no usage: count what was sent and received
+            self.tokens += self.estimate(self.messages) + int(len(reply.content) / self.chars_per_token)
+        entry: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if calls:
             entry["tool_calls"] = [{"id": c.id, "type": "function",
                                     "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         self.messages.append(entry)
         self.logged = len(self.messages)
-        names = ", ".join(c.name for c in calls) or "no tool call"
+        names = ", ".join(c.name for c in calls) or ("text" if reply.content.strip() else "empty reply")
         self.log("llm.response", f"turn {self.turns}: {names}",
-                 {"turn": self.turns, "content": msg.content or "", "finish_reason": choice.finish_reason,
+                 {"turn": self.turns, "content": reply.content, "finish_reason": reply.finish_reason,
                   "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls],
-                  "usage": usage.model_dump() if hasattr(usage, "model_dump") else None,
-                  "tokens_so_far": self.tokens, "latency_s": round(self.latency, 3)})
+                  "usage": reply.usage, "timings": reply.timings, "tokens_so_far": self.tokens,
+                  "latency_s": round(reply.total_s, 3), "first_token_s": round(reply.first_token_s, 3),
+                  "prefill_tokens_per_s": self.prefill_tps, "decode_tokens_per_s": self.decode_tps})
         return calls
+
+    # -- the text protocol ---------------------------------------------------------------------------------
+
+    def run_actions(self, actions: list[Action]) -> tuple[str, AgentResult | None]:
+        """Run the actions of a text reply in order; (their results, numbered; the run's result at FINISH)."""
+        out: list[str] = []
+        for k, a in enumerate(actions, 1):
+            done: AgentResult | None = None
+            try:
+                if a.kind == "error":
+                    text = "error: " + a.args["error"]
+                elif a.kind == "edit":
+                    text = self.text_edit(a)
+                elif a.kind == "list":
+                    text = self.tools.list_files(a.args["path"])
+                elif a.kind == "read":
+                    text = self.tools.read_file(a.args["path"], a.args["start_line"] or None,
+                                                a.args["end_line"] or None)
+                elif a.kind == "grep":
+                    text = self.tools.grep(a.args["pattern"], a.args["path"])
+                elif a.kind == "smoke":
+                    text = self.run_smoke()
+                else:
+                    text, done = self.finish(a.args["summary"], a.args["mechanism_name"])
+            except ToolError as e:
+                text = f"error: {e}"
+            except (OSError, git.GitCommandError) as e:
+                text = f"error: {a.kind} failed: {_clip(_one_line(e), 500)}"
+            text = _clip(text, self.result_limit() // max(1, len(actions)))
+            ok = not text.startswith("error:")
+            self.tool_errors += not ok
+            self.notes.append(f"turn {self.turns}: {a.describe()} -> {_clip(text.splitlines()[0], 120)}")
+            first = _clip(text.splitlines()[0] if text else "", 200)
+            self.log("llm.action", f"turn {self.turns}: {a.describe()} {'ok' if ok else first}",
+                     {"turn": self.turns, "action": a.kind, "args": a.args, "ok": ok, "result": text,
+                      "blocks": len(a.blocks)})
+            out.append(f"[{k}] {a.describe()}: {text}")
+            if done is not None:
+                return "\n\n".join(out), done
+        return "\n\n".join(out), None
+
+    def text_edit(self, a: Action) -> str:
+        """Apply a text reply's blocks to the file it named, or to the one file whose text they match."""
+        path = a.args.get("path") or ""
+        blocks = "".join(f"<<<<<<< SEARCH\n{b.search}=======\n{b.replace}>>>>>>> REPLACE\n" for b in a.blocks)
+        if path:
+            return self.tools.edit(path, blocks)
+        if not any(b.search.strip() for b in a.blocks):
+            raise ToolError("a block with an empty SEARCH creates a file: put the new file's path on the line "
+                            "before '<<<<<<< SEARCH'")
+        hits = []
+        for rel in self.tools.text_files():
+            try:
+                apply_blocks(self.tools._text(self.tools.root / rel, rel), a.blocks)
+            except (EditError, ToolError):
+                continue
+            hits.append(rel)
+        if len(hits) != 1:
+            where = "no file" if not hits else f"{len(hits)} files ({', '.join(hits[:5])})"
+            raise ToolError(f"SEARCH matches {where}; put the file's path on the line before '<<<<<<< SEARCH'")
+        return self.tools.edit(hits[0], blocks)
 
     def flush_messages(self, log: bool = True) -> list[dict[str, Any]]:
         """The messages not yet in the ledger (tool results, steering, nudges), marked as logged."""
@@ -620,9 +975,11 @@ class _Session:
     def dispatch(self, call: _Call) -> tuple[str, AgentResult | None]:
         """Run one tool call; (the result for the model, the run's result when it was finish)."""
         result, done = self._dispatch(call)
-        result = _clip(result, MAX_TOOL_RESULT_CHARS)
+        result = _clip(result, self.result_limit())
         ok = not result.startswith("error:")
         self.tool_errors += not ok
+        self.notes.append(f"turn {self.turns}: {call.name}({_clip(' '.join(call.arguments.split()), 100)}) -> "
+                          f"{_clip(result.splitlines()[0] if result else '', 120)}")
         self.log("llm.tool", f"turn {self.turns}: {call.name or '(no name)'} "
                              f"{'ok' if ok else _clip(result.splitlines()[0], 200)}",
                  {"turn": self.turns, "id": call.id, "name": call.name, "arguments": call.arguments,
@@ -660,11 +1017,18 @@ class _Session:
             return f"error: {call.name} failed: {_clip(_one_line(e), 500)}", None
 
     def run_smoke(self) -> str:
+        need = max(self.smoke_s * 1.2, 0.05 * self.wall_s)  # a smoke run cannot be cut short: it must fit
+        if self.left() < need:
+            return (f"error: not enough of the wall budget left for a smoke run ({self.left():.0f} s left, one takes "
+                    f"about {need:.0f} s); call finish now")
         sha = self.commit_wip()
+        t = time.monotonic()
         try:
             r = self.ctx.smoke()
         except Exception as e:  # the smoke runner is the loop's; its crash is news for the model, not the end
             return f"error: the smoke run crashed: {type(e).__name__}: {_clip(_one_line(e), 500)}"
+        finally:
+            self.smoke_s = time.monotonic() - t
         where = f" (work committed as {sha[:10]})" if sha else ""
         return ("ok: " if r.ok else "error: smoke failed: ") + r.message + where
 
@@ -697,7 +1061,10 @@ class _Session:
     def result(self, committed: bool, message: str, mech: str, summary: str, reason: str,
                sha: str | None = None) -> AgentResult:
         details = {"reason": reason, "turns": self.turns, "tokens": self.tokens,
-                   "wall_s": round(self.elapsed(), 3), "tool_errors": self.tool_errors, "retries": self.retried,
+                   "wall_s": round(self.elapsed(), 3), "wall_budget_s": round(self.wall_s, 3),
+                   "tool_errors": self.tool_errors, "retries": self.retried, "protocol": self.mode,
+                   "context_tokens": self.n_ctx, "context_source": self.ctx_source,
+                   "max_request_tokens": self.max_request_tokens,
                    "model": self.cfg.model, "start_head": self.start_head, "commit": sha,
                    "files": self.changed_files() if sha else []}
         message = redact(message, self.secrets)
@@ -766,3 +1133,18 @@ def _example(name: str) -> str:
             "grep": '{"pattern": "def verify", "path": "decoder"}', "run_smoke": "{}",
             "edit": '{"path": "system.toml", "blocks": "<<<<<<< SEARCH\\nold\\n=======\\nnew\\n>>>>>>> REPLACE\\n"}',
             "finish": '{"summary": "fused the QKV projections", "mechanism_name": "fused_qkv"}'}[name]
+
+
+class _GracefulStop:
+    """An event for stream_chat that reads as set only once `stop` has been set for `grace_s`: a reply already
+    on its way gets to finish (its edits are done), a request still waiting is cancelled."""
+
+    def __init__(self, stop: threading.Event, grace_s: float) -> None:
+        self.stop, self.grace_s, self.since = stop, grace_s, None
+
+    def is_set(self) -> bool:
+        if not self.stop.is_set():
+            return False
+        if self.since is None:
+            self.since = time.monotonic()
+        return time.monotonic() - self.since >= self.grace_s
