@@ -11,6 +11,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -264,6 +265,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# The bench's flags for its feature and tree methods, one per FeatureSettings / TreeSettings field (the flag is the
+# field's name with dashes; unset, the field keeps its default): field -> (type, help).
+SETTINGS_FLAGS: dict[str, tuple[Callable[[str], object] | None, str]] = {
+    "block_draft_len": (positive_int, "sd-block: tokens drafted per block (default 8)"),
+    "mtp_draft_len": (positive_int, "sd-mtp: tokens drafted by the heads (default 6)"),
+    "route_code": (None, "sd-routed: drafter for code prompts (block, mtp, draft-model, ngram; default mtp)"),
+    "route_prose": (None, "sd-routed: drafter for prose prompts (default mtp)"),
+    "drafters": (None, "the target's feature drafters directory (default TARGET/drafters)"),
+    "tree_shape": (None, "sd-tree: 'dynamic' or children per depth, e.g. 4,2,1,1"),
+    "tree_topk": (positive_int, "sd-tree (dynamic): nodes expanded per depth, children each"),
+    "tree_depth": (positive_int, "sd-tree (dynamic): depth"),
+    "tree_budget": (positive_int, "sd-tree (dynamic): nodes the target verifies per step"),
+    "two_level_alts": (positive_int, "sd-two-level: alternatives held per chain position"),
+    "two_level_draft_len": (positive_int, "sd-two-level: chain length k"),
+    "dcut_threshold": (float, "sd-dcut: cut where the product of top-1 probs < this"),
+    "dcut_max_len": (positive_int, "sd-dcut: longest draft"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="specpilot", description="SpecPilot engine commands.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -283,20 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix the n-gram drafter matches")
     b.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix it accepts")
     b.add_argument("--methods", help="comma-separated subset of methods (hf-greedy is always run)")
-    b.add_argument("--block-draft-len", type=positive_int, help="sd-block: tokens drafted per block (default 8)")
-    b.add_argument("--mtp-draft-len", type=positive_int, help="sd-mtp: tokens drafted by the heads (default 6)")
-    b.add_argument("--route-code",
-                   help="sd-routed: drafter for code prompts (block, mtp, draft-model, ngram; default mtp)")
-    b.add_argument("--route-prose", help="sd-routed: drafter for prose prompts (default mtp)")
-    b.add_argument("--drafters", help="the target's feature drafters directory (default TARGET/drafters)")
-    b.add_argument("--tree-shape", help="sd-tree: 'dynamic' or children per depth, e.g. 4,2,1,1")
-    b.add_argument("--tree-topk", type=positive_int, help="sd-tree (dynamic): nodes expanded per depth, children each")
-    b.add_argument("--tree-depth", type=positive_int, help="sd-tree (dynamic): depth")
-    b.add_argument("--tree-budget", type=positive_int, help="sd-tree (dynamic): nodes the target verifies per step")
-    b.add_argument("--two-level-alts", type=positive_int, help="sd-two-level: alternatives held per chain position")
-    b.add_argument("--two-level-draft-len", type=positive_int, help="sd-two-level: chain length k")
-    b.add_argument("--dcut-threshold", type=float, help="sd-dcut: cut where the product of top-1 probs < this")
-    b.add_argument("--dcut-max-len", type=positive_int, help="sd-dcut: longest draft")
+    for name, (kind, text) in SETTINGS_FLAGS.items():
+        b.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     b.add_argument("--limit", type=positive_int, help="use only the first N prompts")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     b.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

@@ -28,25 +28,24 @@ def fail(msg: str) -> int:
     return EXIT_USAGE
 
 
-def positive_int(text: str) -> int:
+def _flag_value(text: str, kind: type, what: str, ok: Callable[[float], bool], bound: str) -> int | float:
+    """`text` as `kind` (else "'text' is not {what}") passing `ok` (else "{text} must be {bound}")."""
     try:
-        v = int(text)
+        v = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"{v if kind is int else text} must be {bound}")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _flag_value(text, int, "an integer", lambda v: v >= 1, "at least 1")
 
 
 def positive_float(text: str) -> float:
     """A finite number above 0 (`nan` and `inf` parse as floats; neither bounds anything)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
-    return v
+    return _flag_value(text, float, "a number", lambda v: math.isfinite(v) and v > 0, "a finite number above 0")
 
 
 def check_out_file(flag: str, out: str) -> str | None:

@@ -41,6 +41,13 @@ def _batch_sizes(text: str | None) -> list[int] | None:
         raise WorkspaceError(f"--batch-sizes {text}: use comma-separated integers, e.g. 1,8") from None
 
 
+def _created(ws: Workspace, what: str, as_json: bool) -> int:
+    """Say a demo workspace was made: a line on stderr, its path (or JSON) on stdout; exit status 0."""
+    print(f"created {what} at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
+    print(json.dumps({"workspace": str(ws.path), "stock_commit": ws.stock_commit}) if as_json else ws.path)
+    return 0
+
+
 def _init_hybrid_demo(args: argparse.Namespace) -> int:
     """The hybrid demo deployment (a hybrid recurrent target, its draft model, the demo's code prompts) as a
     workspace, through the same path as a user's own model."""
@@ -58,9 +65,7 @@ def _init_hybrid_demo(args: argparse.Namespace) -> int:
                          name=args.name or "hybrid-demo")
     except _errors() as e:
         return fail(str(e))
-    print(f"created hybrid demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
-    print(json.dumps({"workspace": str(ws.path), "stock_commit": ws.stock_commit}) if args.json else ws.path)
-    return 0
+    return _created(ws, "hybrid demo workspace", args.json)
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -99,9 +104,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
                        batch_sizes=_batch_sizes(args.batch_sizes))
     except _errors() as e:
         return fail(str(e))
-    print(f"created demo workspace at {ws.path} (stock {ws.stock_commit[:10]})", file=sys.stderr)
-    print(json.dumps({"workspace": str(ws.path), "stock_commit": ws.stock_commit}) if args.json else ws.path)
-    return 0
+    return _created(ws, "demo workspace", args.json)
 
 
 def _cmd_branch(args: argparse.Namespace) -> int:
