@@ -38,22 +38,30 @@ _ids = itertools.count(1)
 Step = dict[str, Any] | Callable[[dict[str, Any]], Any]
 
 
-def call(name: str, /, *, raw_arguments: str | None = None, tokens: int = 100, **arguments: Any) -> dict[str, Any]:
+def call(name: str, /, *, raw_arguments: str | None = None, tokens: int | None = None,
+         **arguments: Any) -> dict[str, Any]:
     """A reply with one tool call; raw_arguments sends the arguments string as is (e.g. broken JSON)."""
     return calls([(name, raw_arguments if raw_arguments is not None else json.dumps(arguments))], tokens=tokens)
 
 
-def calls(items: list[tuple[str, str]], *, tokens: int = 100) -> dict[str, Any]:
-    """A reply with several tool calls, each (name, arguments as a JSON string)."""
+def calls(items: list[tuple[str, str]], *, tokens: int | None = None) -> dict[str, Any]:
+    """A reply with several tool calls, each (name, arguments as a JSON string).
+
+    `tokens`: the usage's total_tokens; None: the prompt counted as its JSON's characters / 4, plus 10."""
     tool_calls = [{"id": f"call_{next(_ids)}", "type": "function", "function": {"name": n, "arguments": a}}
                   for n, a in items]
     return {"reply": {"role": "assistant", "content": None, "tool_calls": tool_calls},
             "finish_reason": "tool_calls", "tokens": tokens}
 
 
-def say(text: str, *, tokens: int = 100) -> dict[str, Any]:
+def say(text: str, *, tokens: int | None = None) -> dict[str, Any]:
     """A final (plain text) reply with no tool call."""
     return {"reply": {"role": "assistant", "content": text}, "finish_reason": "stop", "tokens": tokens}
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The stub's token count for a request's prompt: the characters of its messages and tools as JSON / 4."""
+    return (len(json.dumps(body.get("messages", []))) + len(json.dumps(body.get("tools", [])))) // 4
 
 
 def http_error(status: int, message: str = "internal error", **extra: Any) -> dict[str, Any]:
@@ -147,7 +155,9 @@ class OpenAIStub:
                 if "status" in step:
                     return self._send(step["status"], {"error": {"message": step["error"], "type": "server_error",
                                                                  **step.get("extra", {})}})
-                tokens = step.get("tokens", 100)
+                tokens = step.get("tokens")
+                if tokens is None:  # about what a tokenizer would count for the prompt
+                    tokens = prompt_tokens(body) + 10
                 usage = {"prompt_tokens": tokens - 10, "completion_tokens": 10, "total_tokens": tokens}
                 if body.get("stream"):
                     return self._stream(n, body, step, usage)

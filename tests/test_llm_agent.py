@@ -11,7 +11,7 @@ from pathlib import Path
 import git
 import pytest
 from conftest import needs_demo
-from openai_stub import OpenAIStub, call, calls, http_error, say, slow
+from openai_stub import OpenAIStub, call, calls, http_error, prompt_tokens, say, slow
 
 from workbench.agents.base import AgentContext, Direction, SmokeResult
 from workbench.agents.edits import EditBlock, EditError, apply_blocks, nearest_lines, parse_blocks
@@ -461,3 +461,173 @@ def test_on_the_demo_workspace_into_the_ledger(tmp_path: Path):
         assert KEY not in json.dumps([(e.message, e.payload) for e in events], default=str)
     finally:
         ws.close()
+
+
+# -- small local endpoints: context, text protocol, time, repetition (#25) ---------------------------------------
+
+LLAMA_PROPS = {"/props": {"default_generation_settings": {"n_ctx": 4096}, "total_slots": 1,
+                          "chat_template_caps": {"supports_tool_calls": False, "supports_tools": False}}}
+
+
+def test_a_text_only_model_edits_with_search_replace_blocks(worktree: Path):
+    """An endpoint whose template takes no tools: no tools are sent, the opening is compact and shows the
+    config, and SEARCH/REPLACE blocks in plain text (one with its file named, one found by its text) and a
+    FINISH line make the commit."""
+    events: list = []
+    reply = ("Sure, here is my change.\n\nsystem.toml\n```toml\n" + block("draft_len = 3\n", "draft_len = 4\n")
+             + "```\nAnd a second one:\n" + block("        out.append(t + 1)\n", "        out.append(t + 2)\n"))
+    script = [say("Let me look first.\nREAD decoder/generate.py 1 9"), say(reply),
+              say("SMOKE\nFINISH draft_len_4: draft four tokens a step")]
+    with OpenAIStub(script, routes=LLAMA_PROPS) as stub:
+        result = LLMAgent(config(stub)).run(make_ctx(worktree, events))
+    assert result.committed, result.message
+    assert result.mechanism == "draft_len_4" and result.details["protocol"] == "text"
+    assert result.details["context_tokens"] == 4096 and result.details["context_source"] == "llama.cpp /props"
+    assert all("tools" not in r["body"] for r in stub.requests)
+    opening = stub.messages(0)[1]["content"]
+    assert "draft_len = 3" in opening and "Known mechanisms for it: draft_len" in opening
+    assert '"family"' not in opening  # the compact opening, not the JSON dump
+    assert "READ path" in stub.messages(0)[0]["content"]
+    assert "decoder/generate.py: lines 1-9 of 17" in stub.messages(1)[-1]["content"]
+    assert "edited system.toml" in stub.messages(2)[-1]["content"]
+    assert "edited decoder/generate.py" in stub.messages(2)[-1]["content"]
+    repo = branch_repo(worktree)
+    assert "draft_len = 4" in repo.git.show("llm-1:system.toml")
+    assert "out.append(t + 2)" in repo.git.show("llm-1:decoder/generate.py")
+    assert [k for k, _, _ in events].count("llm.action") == 5  # READ, two edits, SMOKE, FINISH
+
+
+def test_auto_switches_to_text_when_the_model_answers_in_text(worktree: Path):
+    events: list = []
+    script = [say("system.toml\n" + block("draft_len = 3\n", "draft_len = 5\n")), say("FINISH draft_len_5: longer")]
+    with OpenAIStub(script) as stub:  # no /props: tools are offered first
+        result = LLMAgent(config(stub)).run(make_ctx(worktree, events))
+    assert result.committed and result.details["protocol"] == "text"
+    assert "tools" in stub.requests[0]["body"] and "tools" not in stub.requests[1]["body"]
+    assert "You cannot call tools here" in stub.messages(1)[-1]["content"]  # the rules come with the results
+    assert "llm.protocol" in [k for k, _, _ in events]
+
+
+def test_a_model_that_repeats_itself_is_stopped_after_two_identical_replies(worktree: Path):
+    events: list = []
+    same = "You're right, I should have been more precise.\nREAD system.toml"
+    with OpenAIStub([], after=say(same)) as stub:
+        result = LLMAgent(config(stub)).run(make_ctx(worktree, events))
+    assert len(stub.requests) == 2
+    assert not result.committed
+    assert result.message.startswith("the model repeated its previous reply word for word (2 identical replies")
+
+
+def test_a_reply_with_no_action_gets_one_correction_then_the_run_ends(worktree: Path):
+    events: list = []
+    script = [say("You're right, I should have been more precise."), say("I will be more precise now.")]
+    with OpenAIStub(script, routes=LLAMA_PROPS) as stub:
+        result = LLMAgent(config(stub)).run(make_ctx(worktree, events))
+    assert len(stub.requests) == 2
+    assert "last reminder" in stub.messages(1)[-1]["content"]
+    assert result.message.startswith("model produced no actionable edit")
+
+
+def test_requests_stay_inside_a_small_context(worktree: Path):
+    """A 2048-token context: big tool results are cut, older turns are summarised, and an overflow error
+    (llama.cpp's wording) shrinks the assumed size and resends the turn."""
+    events: list = []
+    (worktree / "decoder" / "big.py").write_text("".join(f"x_{i} = {i}  # a long line of filler text\n"
+                                                         for i in range(3000)))
+    overflow = http_error(400, "request (2300 tokens) exceeds the available context size (1800 tokens), try "
+                               "increasing it", type="exceed_context_size_error", n_ctx=1800)
+    reads = [call("read_file", path="decoder/big.py", start_line=1 + 300 * k, end_line=300 * (k + 1))
+             for k in range(8)]
+    script = [*reads[:4], overflow, *reads[4:], call("finish", summary="nothing", mechanism_name="none")]
+    props = {"/props": {"default_generation_settings": {"n_ctx": 2048}}}
+    with OpenAIStub(script, routes=props) as stub:
+        result = LLMAgent(config(stub, max_reply_tokens=256)).run(make_ctx(worktree, events))
+    assert result.details["reason"] == "finish", result.message
+    assert result.details["context_tokens"] == 1800 and "overflow error" in result.details["context_source"]
+    sent = [r["body"] for r in stub.requests]
+    # every request, prompt (as the stub counts it) plus max_tokens, fits the context the agent knew of then
+    limits = [e[2]["context_tokens"] for e in events if e[0] == "llm.request"]
+    assert limits[0] == 2048 and limits[-1] == 1800
+    for body, limit in zip(sent, limits, strict=True):
+        assert prompt_tokens(body) + body["max_tokens"] <= limit, (prompt_tokens(body), limit)
+        assert body["max_tokens"] <= 256
+    assert max(len(m["content"] or "") for body in sent for m in body["messages"] if m["role"] == "tool") < 3000
+    assert "Earlier turns, summarised" in sent[-1]["messages"][1]["content"]
+    assert "read_file" in sent[-1]["messages"][1]["content"]
+    assert any(k == "llm.compact" for k, _, _ in events) and any(k == "llm.context" for k, _, _ in events)
+
+
+def test_a_timed_out_request_is_cancelled_before_the_retry(worktree: Path):
+    events: list = []
+    script = [slow(3.0, say("too late")), call("finish", summary="nothing", mechanism_name="none")]
+    with OpenAIStub(script) as stub:
+        result = LLMAgent(config(stub, request_timeout_s=0.4)).run(make_ctx(worktree, events))
+    assert result.details["reason"] == "finish" and result.details["retries"] == 1
+    first, retry = stub.requests
+    assert first["closed_at"] is not None and first["closed_at"] <= retry["arrived_at"]
+    req = next(p for k, _, p in events if k == "llm.request")
+    assert req["first_token_timeout_s"] == 0.4 and req["timeout_s"] == 0.8
+
+
+def test_first_token_timeout_scales_with_the_prompt_and_the_measured_prefill_rate(worktree: Path):
+    events: list = []
+    script = [call("list_files"), call("finish", summary="nothing", mechanism_name="none")]
+    with OpenAIStub(script) as stub:
+        LLMAgent(config(stub, request_timeout_s=0.1, prefill_tokens_per_s=100.0, decode_tokens_per_s=10.0,
+                        max_reply_tokens=100)).run(make_ctx(worktree, events))
+    reqs = [p for k, _, p in events if k == "llm.request"]
+    # before any reply: the assumed 100 tok/s, twice over: 2 * prompt / 100 s to the first token
+    assert reqs[0]["first_token_timeout_s"] == pytest.approx(2 * reqs[0]["prompt_tokens_est"] / 100, rel=0.01)
+    assert reqs[0]["timeout_s"] == pytest.approx(reqs[0]["first_token_timeout_s"] + 2 * 100 / 10, rel=0.01)
+    # after it: the stub's measured rate (90 prompt tokens in milliseconds) makes it the 0.1 s floor
+    assert reqs[1]["first_token_timeout_s"] == 0.1
+
+
+def test_the_wall_budget_is_hard(worktree: Path):
+    events: list = []
+    with OpenAIStub([], after=lambda body: slow(30.0, say("late"))) as stub:
+        result = LLMAgent(config(stub, wall_s=2.0, request_timeout_s=30.0)).run(make_ctx(worktree, events))
+    assert "wall-time budget spent (2 s)" in result.message
+    assert result.details["wall_s"] <= 2.0 * 1.05
+    assert all(r["closed_at"] is not None for r in stub.requests)  # nothing left running on the server
+
+
+def test_the_loop_deadline_cuts_the_wall_budget(worktree: Path):
+    import time
+
+    ctx = make_ctx(worktree, [])
+    ctx.deadline = time.monotonic() + 1.0
+    with OpenAIStub([], after=lambda body: slow(30.0, say("late"))) as stub:
+        result = LLMAgent(config(stub, wall_s=600.0, request_timeout_s=30.0)).run(ctx)
+    assert result.details["wall_budget_s"] <= 1.0 and result.details["wall_s"] <= 1.05
+
+
+def test_probe_reads_each_servers_context_size():
+    from workbench.agents.endpoint import context_from_error, probe
+
+    cases = [
+        (LLAMA_PROPS, 4096, "llama.cpp /props", False),
+        ({"/api/show": {"model_info": {"qwen2.context_length": 32768}, "capabilities": ["completion", "tools"],
+                        "parameters": "num_ctx 8192\ntemperature 0.7"}}, 8192, "Ollama /api/show num_ctx", True),
+        ({"/api/show": {"model_info": {"llama.context_length": 131072}, "capabilities": ["completion"]}}, 4096,
+         "Ollama default window (model trained for 131072)", False),
+        ({"/api/v0/models": {"data": [{"id": "m", "loaded_context_length": 6000, "max_context_length": 32768}]}},
+         6000, "LM Studio /api/v0/models", None),
+        ({"/v1/models": {"data": [{"id": "other", "max_model_len": 1}, {"id": "m", "max_model_len": 16384}]}},
+         16384, "vLLM /v1/models", None),
+        ({}, None, "", None),
+    ]
+    for routes, n, source, tools in cases:
+        with OpenAIStub([], routes=routes) as stub:
+            info = probe(stub.base_url, "k", "m")
+        assert (info.context_tokens, info.source, info.tool_calls) == (n, source, tools)
+    assert context_from_error("request (9031 tokens) exceeds the available context size (8192 tokens)") == 8192
+    assert context_from_error("This model's maximum context length is 4096 tokens. However, you requested") == 4096
+
+
+def test_context_and_protocol_settings():
+    cfg = LLMConfig.load({"base_url": "http://127.0.0.1:8080/v1", "model": "m", "context_tokens": 8192,
+                          "protocol": "text"}, {})
+    assert (cfg.context_tokens, cfg.protocol) == (8192, "text")
+    with pytest.raises(LLMConfigError, match="protocol must be one of auto, tools, text, got 'json'"):
+        LLMConfig.load({"base_url": "http://127.0.0.1:8080/v1", "model": "m", "protocol": "json"}, {})

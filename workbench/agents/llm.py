@@ -752,15 +752,20 @@ class _Session:
         cut = len(turns) - len(kept)
         summary = ""
         if cut:
-            lines = self.notes[-40:]
+            room, lines = int(budget * self.chars_per_token / 4), []  # a quarter of the budget at most
+            for note in reversed(self.notes[-40:]):
+                room -= len(note) + 1
+                if room < 0:
+                    break
+                lines.insert(0, note)
             summary = (f"\n\nEarlier turns, summarised (cut to fit the model's context of {self.n_ctx} tokens):\n"
                        + "\n".join(lines))
         messages = [head[0], {"role": "user", "content": self.opening + summary}] + [m for t in kept for m in t]
         while messages and messages[2:3] and messages[2]["role"] == "tool":  # a result without its call
             messages.pop(2)
         over = self.estimate(messages) - budget
-        if over > 0:  # still too long: clip the longest messages, the opening last
-            for m in sorted(messages[2:], key=lambda m: -len(str(m.get("content") or ""))) + [messages[1]]:
+        if over > 0:  # still too long: clip the longest messages, then the opening (its summary stays whole)
+            for m in sorted(messages[2:], key=lambda m: -len(str(m.get("content") or ""))):
                 text = str(m.get("content") or "")
                 keep = max(200, len(text) - int((over + 16) * self.chars_per_token))
                 if keep < len(text):
@@ -768,6 +773,9 @@ class _Session:
                 over = self.estimate(messages) - budget
                 if over <= 0:
                     break
+            if over > 0:
+                keep = max(300, len(self.opening) - int((over + 16) * self.chars_per_token))
+                messages[1]["content"] = _clip(self.opening, keep) + summary
         self.messages = messages
         self.logged = min(self.logged, len(self.messages))
         self.log("llm.compact", f"turn {self.turns}: {before} messages -> {len(messages)} to fit {self.n_ctx} tokens",
@@ -855,7 +863,7 @@ class _Session:
         prompt = usage.get("prompt_tokens")
         if isinstance(prompt, int) and prompt > 50:
             chars = est * self.chars_per_token  # what the estimate counted, in characters
-            self.chars_per_token = max(1.5, min(6.0, 0.9 * chars / prompt))
+            self.chars_per_token = max(1.5, min(5.0, 0.9 * chars / prompt))
         t = reply.timings or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         if t.get("prompt_n", 0) >= 32 and t.get("prompt_per_second"):
