@@ -159,10 +159,16 @@ def test_a_round_on_the_cluster_keeps_what_the_local_executor_keeps(tmp_path, cl
             ev.shutdown()
             assert any(ln.startswith("ray: running evaluations: node ") for ln in lines)
         r = s["rounds"][0]
-        kept[kind] = sorted((a["direction"], a["mechanism"]) for a in r["attempts"] if a["status"] == "keep")
+        print(f"{kind}: " + "; ".join(f"{a['branch']} {a['status']} {a['speedup']}" for a in r["attempts"]),
+              file=sys.stderr)
+        # What the round keeps: the mechanisms merged into the new base and recorded. (An attempt's own keep
+        # or discard near the threshold follows the timing noise of a loaded machine: in one run here the
+        # drafting attempt measured 1.19x [0.99, 1.40] locally, discarded, and 1.22x [1.10, 1.34] on a
+        # node, kept; the combination then lost to lean forward alone, so both rounds kept the same.)
+        kept[kind] = sorted((m.gap_family, m.name) for m in ws.memory.list_mechanisms())
         ws.close()
     print(f"round minutes: {minutes}; kept: {kept}", file=sys.stderr)
-    assert kept["ray"] == kept["local"], kept
+    assert kept["ray"] == kept["local"] and kept["local"], kept
 
 
 class _Lean:
