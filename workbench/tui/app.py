@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,60 +56,57 @@ TABS = (("overview", "Overview"), ("branches", "Branches"), ("forcing", "Forcing
 # -- messages from workers -------------------------------------------------------------------------------
 
 
+@dataclass
 class Opened(Message):
-    def __init__(self, ws: Any) -> None:
-        super().__init__()
-        self.ws = ws
+    ws: Any
 
 
+@dataclass
 class Opening(Message):
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
+    text: str
 
 
+@dataclass
 class Polled(Message):
-    def __init__(self, snap: data.Snapshot) -> None:
-        super().__init__()
-        self.snap = snap
+    snap: data.Snapshot
 
 
+@dataclass
 class ForcingLoaded(Message):
-    def __init__(self, branch: str, report: dict | None) -> None:
-        super().__init__()
-        self.branch, self.report = branch, report
+    branch: str
+    report: dict | None
 
 
+@dataclass
 class MechanismsLoaded(Message):
-    def __init__(self, mechanisms: list) -> None:
-        super().__init__()
-        self.mechanisms = mechanisms
+    mechanisms: list
 
 
+@dataclass
 class Done(Message):
     """An action finished: say so, and refresh what it changed."""
 
-    def __init__(self, text: str, refresh: str = "") -> None:
-        super().__init__()
-        self.text, self.refresh = text, refresh
+    text: str
+    refresh: str = ""
 
 
+@dataclass
 class ShowText(Message):
-    def __init__(self, title: str, text: str, diff: bool = False) -> None:
-        super().__init__()
-        self.title, self.text, self.diff = title, text, diff
+    title: str
+    text: str
+    diff: bool = False
 
 
+@dataclass
 class LaunchChoices(Message):
-    def __init__(self, choices: list, llm_unavailable: str | None) -> None:
-        super().__init__()
-        self.choices, self.llm_unavailable = choices, llm_unavailable
+    choices: list
+    llm_unavailable: str | None
 
 
+@dataclass
 class LaunchFinished(Message):
-    def __init__(self, branch: str, attempt: dict | None) -> None:
-        super().__init__()
-        self.branch, self.attempt = branch, attempt
+    branch: str
+    attempt: dict | None
 
 
 def _follow(fn: Callable[[], Any], name: str, on_cancel: Callable[[], None] | None = None,
@@ -515,6 +513,30 @@ class SpecPilotApp(App[int]):
             self.notify(f"{what}: no branch selected (Branches tab: pick a row)", severity="warning")
         return b
 
+    def _with_branch(self, what: str, act: Callable[[str], None]) -> None:
+        """A branch action on the selected row (a warning when none is selected)."""
+        b = self._need_branch(what)
+        if b:
+            act(b)
+
+    def _busy(self, what: str, branch: str) -> bool:
+        """True (with a warning) when something of this app runs on `branch`."""
+        if branch in self.live:
+            self.notify(f"{what}: {branch} is busy; wait or cancel it (c)", severity="warning")
+            return True
+        return False
+
+    def _start_on(self, branch: str, action: str, note: str, fn: Callable[[], str], title: str = "",
+                  what: str = "") -> None:
+        """Background work on a branch that is not busy, announced in a toast."""
+        if not self._busy(action, branch):
+            self.notify(note, title=title or action)
+            self._background(what or action, branch, fn)
+
+    def _confirm(self, question: str, yes: str, then: Callable[[], object]) -> None:
+        """Ask first; `then` runs only on yes."""
+        self.push_screen(ConfirmScreen(question, yes=yes), lambda answer: then() if answer else None)
+
     # -- branch actions --------------------------------------------------------------------------------
 
     def action_launch(self) -> None:
@@ -522,9 +544,7 @@ class SpecPilotApp(App[int]):
             self._launch_choices()
 
     def action_steer(self) -> None:
-        b = self._need_branch("steer")
-        if b:
-            self.steer_branch(b)
+        self._with_branch("steer", self.steer_branch)
 
     def steer_branch(self, branch: str) -> None:
         launch = self.launches.get(branch)
@@ -542,9 +562,7 @@ class SpecPilotApp(App[int]):
                                          submit="Send", required="type a message, or escape to cancel"), send)
 
     def action_stop(self) -> None:
-        b = self._need_branch("stop")
-        if b:
-            self.stop_branch(b)
+        self._with_branch("stop", self.stop_branch)
 
     def stop_branch(self, branch: str) -> None:
         launch = self.launches.get(branch)
@@ -552,72 +570,49 @@ class SpecPilotApp(App[int]):
             self.notify(f"stop: no agent of this app is running on {branch}", severity="warning")
             return
 
-        def answer(yes: bool | None) -> None:
-            if yes:
-                launch.stop()
-                self.notify(f"stop sent to {branch}: it ends at its next turn", title="stop")
+        def stop() -> None:
+            launch.stop()
+            self.notify(f"stop sent to {branch}: it ends at its next turn", title="stop")
 
-        self.push_screen(ConfirmScreen(f"Stop the {launch.kind} agent on {branch}? Its work so far is evaluated "
-                                       f"if it committed anything.", yes="Stop"), answer)
+        self._confirm(f"Stop the {launch.kind} agent on {branch}? Its work so far is evaluated if it committed "
+                      f"anything.", "Stop", stop)
 
     def action_merge(self) -> None:
-        b = self._need_branch("merge")
-        if b:
-            self.merge_branch(b)
+        self._with_branch("merge", self.merge_branch)
 
     def merge_branch(self, branch: str) -> None:
         if branch in self.live:
             self.notify(f"merge: the agent on {branch} is still running; stop it or wait", severity="warning")
             return
 
-        def answer(yes: bool | None) -> None:
-            if yes:
-                self._merge(branch)
-
-        self.push_screen(ConfirmScreen(f"Merge {branch} into base? (git merge --no-ff; system.toml merged key "
-                                       f"by key)", yes="Merge"), answer)
+        self._confirm(f"Merge {branch} into base? (git merge --no-ff; system.toml merged key by key)", "Merge",
+                      partial(self._merge, branch))
 
     def action_diff(self) -> None:
-        b = self._need_branch("diff")
-        if b:
-            self.diff_branch(b)
+        self._with_branch("diff", self.diff_branch)
 
     def diff_branch(self, branch: str) -> None:
         self._diff(branch)
 
     def action_run_forcing(self) -> None:
-        b = self._need_branch("forcing")
-        if b:
-            self.run_forcing(b)
+        self._with_branch("forcing", self.run_forcing)
 
     def run_forcing(self, branch: str) -> None:
-        if branch in self.live:
-            self.notify(f"forcing: {branch} is busy; wait or cancel it (c)", severity="warning")
-            return
-        self.notify(f"forcing {branch} against stock", title="forcing")
-        self._background("forcing", branch, partial(data.run_forcing, self.ws, branch))
+        self._start_on(branch, "forcing", f"forcing {branch} against stock", partial(data.run_forcing, self.ws, branch))
 
     def action_reevaluate(self) -> None:
-        b = self._need_branch("re-evaluate")
-        if b:
-            self.reevaluate(b)
+        self._with_branch("re-evaluate", self.reevaluate)
 
     def reevaluate(self, branch: str) -> None:
-        if branch in self.live:
-            self.notify(f"re-evaluate: {branch} is busy; wait or cancel it (c)", severity="warning")
-            return
-
         def run() -> str:
             a = data.reevaluate(self.ws, branch)
             return f"{branch}: {a.get('status')}: {a.get('reason')}"
 
-        self.notify(f"re-evaluating {branch} (guard, smoke, forcing, paired benchmark)", title="evaluate")
-        self._background("evaluation", branch, run)
+        self._start_on(branch, "re-evaluate", f"re-evaluating {branch} (guard, smoke, forcing, paired benchmark)", run,
+                       title="evaluate", what="evaluation")
 
     def action_cancel(self) -> None:
-        b = self._need_branch("cancel")
-        if b:
-            self.cancel_branch(b)
+        self._with_branch("cancel", self.cancel_branch)
 
     def cancel_branch(self, branch: str) -> None:
         if branch not in self.live:
@@ -650,16 +645,11 @@ class SpecPilotApp(App[int]):
         b = self._need_branch("delete")
         if not b:
             return
-        if b in self.live:
-            self.notify(f"delete: {b} is busy; cancel it first (c)", severity="warning")
+        if self._busy("delete", b):
             return
 
-        def answer(yes: bool | None) -> None:
-            if yes:
-                self._background("delete", None, partial(self._delete_branch, b))
-
-        self.push_screen(ConfirmScreen(f"Delete branch {b} and its worktree? Its evaluations stay in the store.",
-                                       yes="Delete"), answer)
+        self._confirm(f"Delete branch {b} and its worktree? Its evaluations stay in the store.", "Delete",
+                      partial(self._background, "delete", None, partial(self._delete_branch, b)))
 
     def _delete_branch(self, branch: str) -> str:
         self.ws.remove_branch(branch)
@@ -676,9 +666,7 @@ class SpecPilotApp(App[int]):
         self._background("recover", None, run)
 
     def action_forcing(self) -> None:
-        b = self._need_branch("forcing")
-        if b:
-            self.open_forcing(b)
+        self._with_branch("forcing", self.open_forcing)
 
     def open_forcing(self, branch: str, switch: bool = True) -> None:
         self.forcing_branch = branch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from rich.table import Table
 from rich.text import Text
 from textual import events
@@ -11,6 +13,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, RadioButton, RadioSet, Static
 from textual.widgets.option_list import Option
+
+FormResult = TypeVar("FormResult")
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -40,7 +44,24 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(value)
 
 
-class TextInputScreen(ModalScreen[str | None]):
+class FormScreen(ModalScreen[FormResult]):
+    """A dialog with an OK button (`ok`) and a Cancel button: OK submits (`_submit`), Cancel and escape
+    (bound to `cancel` by each form) dismiss with None."""
+
+    def _submit(self) -> None:
+        raise NotImplementedError
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "ok":
+            self._submit()
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class TextInputScreen(FormScreen[str | None]):
     """One line of text (a steering message, a reviewer's note, a folder); enter submits, escape cancels."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="input.cancel")]
@@ -74,17 +95,9 @@ class TextInputScreen(ModalScreen[str | None]):
         event.stop()
         self._submit()
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "ok":
-            self._submit()
-        else:
-            self.dismiss(None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
 
-class LaunchScreen(ModalScreen[tuple[str, str] | None]):
+class LaunchScreen(FormScreen[tuple[str, str] | None]):
     """Choose the agent (tuner or LLM) and the direction (a gap family, largest measured gap first).
 
     A family the tuner has nothing left for is marked so and refused for the tuner; the LLM option is
@@ -135,7 +148,7 @@ class LaunchScreen(ModalScreen[tuple[str, str] | None]):
         kind = "llm" if self.query_one("#kind-llm", RadioButton).value else "tuner"
         return kind, self.choices[ol.highlighted].family
 
-    def _choose(self) -> None:
+    def _submit(self) -> None:
         res = self.result()
         if res is not None and res[0] == "tuner":
             c = next(c for c in self.choices if c.family == res[1])
@@ -147,16 +160,8 @@ class LaunchScreen(ModalScreen[tuple[str, str] | None]):
         self.dismiss(res)
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self._choose()
+        self._submit()
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "ok":
-            self._choose()
-        else:
-            self.dismiss(None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
 
 class KeysScreen(ModalScreen[None]):
