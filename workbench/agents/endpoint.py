@@ -235,7 +235,7 @@ class _Stream(threading.Thread):
                 elif line.startswith(b"error:"):
                     self.events.put(("chunk", {"error": json.loads(line[6:].strip() or b"{}")}))
             self.events.put(("end", None))
-        except (OSError, http.client.HTTPException, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a cancel closes the connection under the reader: any error then
             if not self.cancelled.is_set():
                 self.events.put(("error", e))
         finally:
@@ -254,7 +254,10 @@ class _Stream(threading.Thread):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        conn.close()
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001 - the reader may be closing it at the same moment
+            pass
 
 
 def stream_chat(url: str, headers: Mapping[str, str], body: dict[str, Any], *, first_token_s: float,

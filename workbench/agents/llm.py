@@ -722,7 +722,10 @@ class _Session:
         return int(chars / self.chars_per_token) + 8 * len(messages)
 
     def reply_tokens(self) -> int:
-        return max(16, min(self.cfg.max_reply_tokens, self.n_ctx // 4))
+        """max_tokens: the setting, a quarter of the context, and what half the budget left can generate."""
+        rate = self.decode_tps or self.cfg.decode_tokens_per_s or ASSUMED_DECODE_TPS
+        by_time = int(rate * max(0.0, self.left()) / (2 * TIMEOUT_SLACK))
+        return max(16, min(self.cfg.max_reply_tokens, self.n_ctx // 4, max(64, by_time)))
 
     def prompt_budget(self) -> int:
         return self.n_ctx - self.reply_tokens() - CONTEXT_MARGIN
