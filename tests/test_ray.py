@@ -226,6 +226,7 @@ def test_a_worker_killed_mid_evaluation_costs_a_retry_not_the_attempt(tmp_path, 
     b = ws.branch(att["branch"])
     stages = [e.stage for e in ws.memory.list_evaluations(b.id)]
     assert stages == ["smoke", "forcing", "bench"], stages  # recorded once
-    nodes = {ln.split("]")[0] for ln in lines if ln.startswith("  [")}
-    assert len(nodes) == 2, nodes  # started on the killed node, finished on the other
+    nodes = {w.split()[0] for ln in lines if ln.startswith("ray: running evaluations: ")
+             for w in ln.split("node ")[1:] if att["branch"] in w}
+    assert len(nodes) == 2 and victim.node_id[:8] in nodes, nodes  # started on the killed node, ended on the other
     ws.close()

@@ -386,8 +386,9 @@ class RayEvaluator:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = ray.get_runtime_context().get_node_id()
+        # On this process's node (soft affinity placed it on a worker, which a node's death then took along).
         self.board = ray.remote(num_cpus=0, max_restarts=0)(_Board).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
         self.task = ray.remote(_remote_evaluate).options(
             num_cpus=0, num_gpus=settings.num_gpus, resources={settings.resource: 1},
             max_retries=settings.max_retries, retry_exceptions=False)
