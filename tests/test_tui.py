@@ -10,6 +10,7 @@ holds fixed records, so the pictures do not move with timings.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -123,12 +124,15 @@ def select_row(app, table_id: str, key: str) -> None:
 @pytest.fixture
 def llm_stub(monkeypatch):
     """An OpenAI-protocol server on loopback (the test double for a hosted LLM) whose model keeps
-    exploring (list_files each turn, a turn a second) until stopped; the environment points at it."""
+    exploring (list_files each turn, a turn a second, never the same folder twice in a row: two identical
+    replies end a run) until stopped; the environment points at it."""
     from tests.openai_stub import OpenAIStub, call
+
+    turns = itertools.count()
 
     def keep_looking(body):
         time.sleep(1.0)
-        return call("list_files", path=".")
+        return call("list_files", path=("." if next(turns) % 2 == 0 else "decoder"))
 
     with OpenAIStub([], after=keep_looking) as stub:
         monkeypatch.setenv("OPENAI_BASE_URL", stub.base_url)
