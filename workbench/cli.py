@@ -102,7 +102,8 @@ def _peer_settings(args: argparse.Namespace):
     if args.batch_sizes:
         return fail("--peers: not with --batch-sizes (llama.cpp runs one request at a time here); drop one")
     if args.target:
-        return fail(f"--peers: GGUFs exist for --deployment demo only, not --target {args.target}; drop --peers")
+        return fail(f"--peers: GGUFs exist for --deployment demo and smollm2 only, not --target {args.target}; "
+                    f"drop --peers")
     names = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     types = (tuple(t.strip() for t in args.peer_spec_types.split(",") if t.strip())
              if args.peer_spec_types else None)
@@ -291,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark AR, our SD and Hugging Face generate on the same prompts")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--deployment", default="demo",
-                     help="a named deployment: demo, or hybrid-demo (a hybrid recurrent target) (default: demo)")
+                     help="a named deployment: demo, hybrid-demo (a hybrid recurrent target), or smollm2 "
+                     "(SmolLM2-135M-Instruct, fetched and dequantised once; chat prompts) (default: demo)")
     src.add_argument("--target", help="a local Hugging Face model directory to use as target")
     b.add_argument("--drafter", help="draft model directory (with --target)")
     b.add_argument("--prompts", default="code", help="code, prose, or a .jsonl file of {id, text} rows")
@@ -319,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
     b.add_argument("--peers", help="other engines in the same interleaved run: llama.cpp (build it with `make "
-                   "llama-cpp`; --deployment demo): its AR and every speculative type that runs, each with "
+                   "llama-cpp`; --deployment demo or smollm2): its AR and every speculative type that runs, each with "
                    "ratio_vs_llama_cpp_ar and checked against llama.cpp AR's output")
     b.add_argument("--peer-spec-types", help="with --peers llama.cpp: only these --spec-type values (e.g. "
                    "draft-simple,ngram-simple; default: every type that runs for the deployment)")

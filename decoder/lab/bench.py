@@ -34,6 +34,7 @@ from decoder.models import (
     hybrid_demo_deployment,
     load_causal_lm,
     load_tokenizer,
+    smollm2_deployment,
 )
 from decoder.presets import BLOCK_DRAFT_LEN, DCUT_MAX_LEN, MTP_DRAFT_LEN, PRESETS, preset_config
 from decoder.runners import HFRunner, recurrent_layers
@@ -535,7 +536,9 @@ def run_bench(
         if is_peer(name):
             check = None if name == LLAMA_AR else check_against_ar(
                 peers.ar, encoded, [p.id for p in prompts], res.outputs, peer_ar.outputs, floor)
-            report_methods.append(peer_entry(entry, res.stats, check, peers.servers[name].spec.flags()))
+            own = peers.is_other_ar(name)
+            report_methods.append(peer_entry(entry, res.stats, None if own else check,
+                                             peers.servers[name].spec.flags(), check if own else None))
             continue
         if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
@@ -655,6 +658,13 @@ def format_table(report: dict) -> str:
                      f"check each against {peers['reference']}'s output (its own top-2 margins); "
                      f"{peers['threads']} threads for llama.cpp, {report.get('torch_threads')} for torch; "
                      f"{peers['timing']}")
+        for name in peers.get("other_ar_gguf") or {}:
+            other = next((m.extra for m in methods if m.name == name), None)
+            if other is not None:
+                v = other["vs_llama_cpp_ar"]
+                lines.append(f"{name}: llama.cpp AR on {Path(peers['other_ar_gguf'][name]).name} (its own reference; "
+                             f"against {peers['reference']} {v['mismatched_prompts']} of {report['num_prompts']} "
+                             f"prompts diverge, {v['unexplained_mismatches']} beyond the near-tie threshold)")
         ar = next((m.extra for m in methods if m.name == peers["reference"]), None)
         if ar is not None:
             v = ar["vs_hf_greedy"]
@@ -674,9 +684,9 @@ def format_table(report: dict) -> str:
 
 
 def bench_deployment(name: str) -> tuple[Path, Path | None, Path | None]:
-    deployments = {"demo": demo_deployment, "hybrid-demo": hybrid_demo_deployment}
+    deployments = {"demo": demo_deployment, "hybrid-demo": hybrid_demo_deployment, "smollm2": smollm2_deployment}
     if name not in deployments:
-        raise BenchError(f"--deployment {name}: unknown; use {' or '.join(deployments)}, or --target DIR "
+        raise BenchError(f"--deployment {name}: unknown; use {', '.join(deployments)}, or --target DIR "
                          f"[--drafter DIR]")
     d = deployments[name]()
     if not (d.target / "config.json").exists():

@@ -5,11 +5,14 @@ before the run and stopped after it, also on errors. The bench interleaves their
 methods prompt by prompt and times each request from outside (wall time around the HTTP request, prompt
 prefill included, as our methods include theirs). llama.cpp runs on as many threads as torch uses here.
 
-Methods: `llama.cpp-ar` (speculation off), `llama.cpp-draft-simple` (the deployment's draft model as a
+Methods: `llama.cpp-ar` (speculation off), on a GGUF of the very weights our engine runs (the demo converted
+with llama.cpp's converter; smollm2's Q4_1 dequantised), `llama.cpp-draft-simple` (the deployment's draft model as a
 GGUF, `--spec-draft-n-max` = the bench's `--draft-len`), and every n-gram type the built server lists
 (`ngram-simple`, `ngram-map-k`, ...) with llama.cpp's defaults. Types that need a model the deployment does
 not have (EAGLE-3, MTP, DFlash, ...) are skipped with that reason; a server that will not start is skipped
-with its error.
+with its error. On smollm2, `llama.cpp-ar-q4_1` is llama.cpp AR on the original Q4_1 GGUF (the file users run):
+other weights and arithmetic (Q8 activations), so it is its own reference, and its agreement with llama.cpp
+AR is reported for information only.
 
 Lossless check of a llama.cpp method: its greedy output against llama.cpp AR's, prompt by prompt; at the
 first divergence llama.cpp AR's own top-2 logit margin there (`score`, from `n_probs`: exact logit
@@ -28,10 +31,13 @@ from decoder.contract import first_divergence, near_tie
 from decoder.engines import Engine, EngineError, EngineNotBuilt
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings, require_built, server_spec_types
 from decoder.engines.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, gguf_path
+from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_peer_gguf
 from decoder.stats import DecodeStats, MethodEntry
 
 PEERS = ("llama.cpp",)
+PEER_DEPLOYMENTS = ("demo", "smollm2")
 LLAMA_AR = "llama.cpp-ar"
+LLAMA_AR_Q4_1 = "llama.cpp-ar-q4_1"  # smollm2: AR on the original Q4_1 GGUF
 LLAMA_PREFIX = "llama.cpp-"
 # Types whose drafter is a model of a kind the bench's deployments do not have.
 NEEDS_OTHER_MODEL = {
@@ -57,6 +63,9 @@ class PeerSettings:
     spec_types: tuple[str, ...] | None = None
     draft_n_max: int = 3
     threads: int = 2
+    # More llama.cpp AR rows on other GGUFs of the target (name, path, extra server flags): each its own
+    # reference, compared with llama.cpp AR for information.
+    other_ar: tuple[tuple[str, Path, tuple[str, ...]], ...] = ()
 
 
 def is_peer(name: str) -> bool:
@@ -74,19 +83,30 @@ def peer_settings(peers: tuple[str, ...], deployment: str, dtype: str, spec_type
     if not peers:
         return None
     require_built()
-    if deployment != "demo":
-        raise PeerError(f"--peers llama.cpp: GGUFs exist for --deployment demo only (got {deployment}); "
-                        f"drop --peers")
+    if deployment not in PEER_DEPLOYMENTS:
+        raise PeerError(f"--peers llama.cpp: GGUFs exist for --deployment {' and '.join(PEER_DEPLOYMENTS)} only "
+                        f"(got {deployment}); drop --peers")
     if dtype not in GGUF_TYPE:
-        raise PeerError(f"--peers llama.cpp: no {dtype} GGUF of the demo; use --dtype bfloat16 or float32")
-    target, drafter = gguf_path("target", GGUF_TYPE[dtype]), gguf_path("drafter", GGUF_TYPE[dtype])
-    if not target.is_file() or not drafter.is_file():
-        raise EngineNotBuilt(f"the demo GGUFs are missing (looked for {target}); run `make llama-cpp` first")
+        raise PeerError(f"--peers llama.cpp: no {dtype} GGUF of the {deployment} target; use --dtype bfloat16 or "
+                        f"float32")
+    other_ar: tuple[tuple[str, Path, tuple[str, ...]], ...] = ()
+    if deployment == "smollm2":
+        try:  # the weights our engine runs, at the bench's dtype, and the Q4_1 file users run
+            target, drafter = smollm2_peer_gguf(GGUF_TYPE[dtype]), None
+            # --no-repack: the native build's repacked (AMX) Q4_1 kernels die with an illegal instruction on
+            # this VM (README, LLM agents on local endpoints); the plain Q4_1 kernels are what most CPUs run.
+            other_ar = ((LLAMA_AR_Q4_1, smollm2_gguf(), ("--no-repack",)),)
+        except ModelFetchError as e:
+            raise PeerError(f"--peers llama.cpp: smollm2: {e}") from None
+    else:
+        target, drafter = gguf_path("target", GGUF_TYPE[dtype]), gguf_path("drafter", GGUF_TYPE[dtype])
+        if not target.is_file() or not drafter.is_file():
+            raise EngineNotBuilt(f"the demo GGUFs are missing (looked for {target}); run `make llama-cpp` first")
     if threads is None:
         import torch  # only now: the checks above answer without it
 
         threads = torch.get_num_threads()
-    return PeerSettings(target, drafter, spec_types, draft_n_max, threads)
+    return PeerSettings(target, drafter, spec_types, draft_n_max, threads, other_ar)
 
 
 class PeerGroup:
@@ -126,11 +146,16 @@ class PeerGroup:
     def ar(self) -> LlamaServer:
         return self.servers[LLAMA_AR]
 
+    def is_other_ar(self, name: str) -> bool:
+        """An AR row on another GGUF (smollm2's Q4_1): its own reference, not checked against llama.cpp AR."""
+        return any(name == n for n, _path, _flags in self.settings.other_ar)
+
     def info(self) -> dict:
         """What the report says about the peers: engine, GGUFs, threads, how requests are timed."""
         s = self.settings
         return {"engine": "llama.cpp", "source": f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist (vendored)",
                 "target_gguf": str(s.target), "drafter_gguf": str(s.drafter) if s.drafter else None,
+                **({"other_ar_gguf": {n: str(p) for n, p, _flags in s.other_ar}} if s.other_ar else {}),
                 "threads": s.threads, "draft_n_max": s.draft_n_max,
                 "timing": "wall time around each /completion request (prompt prefill included), cache_prompt false",
                 "reference": LLAMA_AR, "methods": {n: srv.spec.flags() for n, srv in self.servers.items()}}
@@ -147,6 +172,8 @@ def _peer_methods(settings: PeerSettings) -> tuple[dict[str, LlamaServer], list[
                             f"{', '.join(t for t in available if t != 'none')}")
     server = ServerSettings(threads=settings.threads)
     servers = {LLAMA_AR: LlamaServer(settings.target, SpecSettings(), server, LLAMA_AR)}
+    servers.update({name: LlamaServer(path, SpecSettings(), replace(server, extra=(*server.extra, *flags)), name)
+                    for name, path, flags in settings.other_ar})
     skipped = []
     for t in available:
         if t == "none" or (wanted is not None and t not in wanted):
@@ -195,10 +222,12 @@ def check_against_ar(ar: Engine, prompt_ids: list[list[int]], prompt_names: list
             "unexplained_mismatches": unexplained, "divergences": divergences}
 
 
-def peer_entry(entry: MethodEntry, stats: DecodeStats, check: dict | None, flags: list[str]) -> dict:
+def peer_entry(entry: MethodEntry, stats: DecodeStats, check: dict | None, flags: list[str],
+               own_reference: dict | None = None) -> dict:
     """Turn the bench's generic entry for a llama.cpp method into its report: the lossless fields against
     llama.cpp AR (kept against hf-greedy under `vs_hf_greedy`, for information), no forward counts (the server
-    does not report them), acceptance where it drafts, and the flags it ran with."""
+    does not report them), acceptance where it drafts, and the flags it ran with. `own_reference`: an AR row on
+    another GGUF (its check against llama.cpp AR, kept under `vs_llama_cpp_ar` for information)."""
     vs_hf = {"identical_to_hf_greedy": entry.identical_to_hf_greedy, "mismatched_prompts": entry.mismatched_prompts,
              "unexplained_mismatches": entry.unexplained_mismatches, "divergences": entry.divergences}
     out = replace(entry, tau=None, target_forwards=None, target_forwards_per_token=None,
@@ -211,6 +240,10 @@ def peer_entry(entry: MethodEntry, stats: DecodeStats, check: dict | None, flags
         out.mismatched_prompts, out.unexplained_mismatches, out.divergences = (
             check["mismatched_prompts"], check["unexplained_mismatches"], check["divergences"])
     else:  # llama.cpp AR is the reference of its engine; its agreement with hf-greedy stays under vs_hf_greedy
-        out.extra.update({"checked_against": LLAMA_AR, "identical_to_reference": True})
+        out.extra.update({"checked_against": entry.name if own_reference else LLAMA_AR,
+                          "identical_to_reference": True})
+        if own_reference is not None:
+            out.extra["vs_llama_cpp_ar"] = {k: own_reference[k] for k in
+                                            ("mismatched_prompts", "unexplained_mismatches", "divergences")}
         out.mismatched_prompts, out.unexplained_mismatches, out.divergences = 0, 0, []
     return out.as_dict()
