@@ -13,6 +13,11 @@ import pytest
 from conftest import needs_demo
 from openai_stub import OpenAIStub, call, calls, http_error, prompt_tokens, say, slow
 
+from decoder.contract import data_dir
+from decoder.engines import EngineError
+from decoder.engines import llamacpp_build as llamacpp
+from decoder.engines.llamacpp import LlamaServer, ServerSettings
+from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf
 from workbench.agents.base import AgentContext, Direction, SmokeResult
 from workbench.agents.edits import EditBlock, EditError, apply_blocks, nearest_lines, parse_blocks
 from workbench.agents.llm import (
@@ -27,6 +32,10 @@ from workbench.agents.llm import (
 )
 
 KEY = "sk-test-9f8e7d6c5b4a39281706"
+# The user's engine build and model cache, read before conftest gives each test a private data dir: the
+# llama.cpp test reuses them (the build is read only; SmolLM2 is fetched into the cache once).
+ENGINES = llamacpp.engines_root()
+USER_MODELS = data_dir() / "models"
 
 GENERATE = '''"""A toy decoder."""
 
@@ -631,3 +640,74 @@ def test_context_and_protocol_settings():
     assert (cfg.context_tokens, cfg.protocol) == (8192, "text")
     with pytest.raises(LLMConfigError, match="protocol must be one of auto, tools, text, got 'json'"):
         LLMConfig.load({"base_url": "http://127.0.0.1:8080/v1", "model": "m", "protocol": "json"}, {})
+
+
+# -- the real thing: llama-server serving SmolLM2-135M-Instruct ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    if not llamacpp.is_built():
+        pytest.skip("llama.cpp is not built (run `make llama-cpp`)")
+    try:
+        return smollm2_gguf(USER_MODELS)
+    except ModelFetchError as e:
+        pytest.skip(f"SmolLM2 cannot be fetched: {e}")
+
+
+@pytest.mark.slow
+def test_smollm2_on_llama_server_ends_within_budget_inside_its_context(worktree: Path, smollm2: Path, tmp_path: Path,
+                                                                       monkeypatch):
+    """A user's local endpoint: llama-server (--jinja, one thread, 4096 tokens) serving SmolLM2-135M, which
+    calls no tools. The attempt ends within its wall budget + 5%, no request passes the context (as the server
+    counted it), and the ledger shows a parsed edit or the reason it stopped early."""
+    monkeypatch.setenv("SPECPILOT_ENGINES_DIR", str(ENGINES))
+    n_ctx, wall = 4096, 150.0
+    # --no-repack: this build's AMX kernels for Q4_1 fault with an illegal instruction in this VM
+    settings = ServerSettings(threads=1, ctx_size=n_ctx, extra=("--jinja", "--no-repack"))
+    events: list = []
+    try:
+        with LlamaServer(smollm2, settings=settings, name="smollm2", log_dir=tmp_path) as server:
+            cfg = LLMConfig(base_url=f"http://127.0.0.1:{server.port}/v1", model="smollm2", wall_s=wall,
+                            max_turns=6, max_reply_tokens=192, retries=1, backoff_s=0.1, temperature=0.0)
+            result = LLMAgent(cfg).run(make_ctx(worktree, events))
+    except EngineError as e:
+        pytest.fail(f"llama-server did not serve SmolLM2: {e}")
+    d = result.details
+    assert d["wall_s"] <= wall * 1.05, result.message
+    assert d["context_tokens"] == n_ctx and d["context_source"] == "llama.cpp /props"
+    assert d["protocol"] == "text"  # SmolLM2's chat template takes no tools (/props says so)
+    responses = [p for k, _, p in events if k == "llm.response"]
+    requests = [p for k, _, p in events if k == "llm.request"]
+    assert responses, result.message
+    for req, resp in zip(requests, responses, strict=False):
+        assert resp["usage"]["prompt_tokens"] + req["max_tokens"] <= n_ctx
+    edits = [p for k, _, p in events if k == "llm.action" and p["action"] == "edit"]
+    early = ("model produced no actionable edit", "the model repeated its previous reply", "turn budget spent")
+    assert edits or d["reason"].startswith(early), d["reason"]
+    end = [m for k, m, _ in events if k == "llm.end"]
+    assert end and (edits or end[0].startswith(early))
+
+
+@pytest.mark.slow
+@needs_demo
+def test_a_text_only_model_yields_an_evaluated_candidate_in_the_loop(tmp_path: Path):
+    """The loop with an endpoint whose template takes no tools: the model's plain-text SEARCH/REPLACE block
+    and FINISH line become a branch commit that the cascade evaluates (forcing, then the bench)."""
+    from workbench.loop import Loop, LoopOptions
+    from workbench.workspace import init_demo
+
+    w = init_demo(tmp_path / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1)
+    fix = "system.toml\n" + block("lean_forward = false\n", "lean_forward = true\n")
+    script = [say("I will turn on the lean forward.\n" + fix), say("FINISH lean-forward: fused lean forward")]
+    try:
+        with OpenAIStub(script, routes=LLAMA_PROPS) as stub:
+            opts = LoopOptions(rounds=1, agents=1, agent="llm", budget_minutes=20, use_global_memory=False,
+                               llm={"base_url": stub.base_url, "model": "stub", "backoff_s": 0.1})
+            summary = Loop(w, opts).run()
+        att = summary["rounds"][0]["attempts"][0]
+        assert all("tools" not in r["body"] for r in stub.requests)
+        assert "lean_forward = true" in w.repo.git.show(f"{att['branch']}:system.toml")
+        assert att["status"] in ("keep", "discard") and att["speedup"] is not None, att  # evaluated, not refused
+    finally:
+        w.close()
