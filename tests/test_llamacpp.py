@@ -215,6 +215,19 @@ def test_a_killed_parent_leaves_no_server(tmp_path):
 
 
 @needs_llamacpp
+def test_a_server_dead_of_sigill_names_no_repack(tmp_path):
+    # On this VM the repacked Q4 kernels execute AMX instructions that trap: llama-server dies of SIGILL at its
+    # first request. The real server is killed with that signal here; the error must say what to do.
+    with LlamaServer(build.gguf_path("target", "bf16"), settings=ONE_THREAD, log_dir=tmp_path) as server:
+        os.killpg(server.pid, signal.SIGILL)
+        server._proc.wait(10)
+        with pytest.raises(EngineError) as e:
+            server.generate([1, 2, 3], 4)
+    msg = str(e.value)
+    assert "\n" not in msg and "SIGILL" in msg and "--no-repack" in msg
+
+
+@needs_llamacpp
 def test_a_server_that_cannot_start_is_one_line_with_its_log(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf")

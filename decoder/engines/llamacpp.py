@@ -214,6 +214,16 @@ class LlamaServer(Engine):
         self._kill()
         return f"{self.name}: llama-server did not become healthy in {HEALTH_TIMEOUT_S:.0f} s (log: {self._log})"
 
+    def _death(self) -> str:
+        """Why the server is gone, when it died: a SIGILL names the usual cause and the flag that avoids it."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return ""
+        if proc.returncode == -signal.SIGILL:
+            return ("; llama-server died of SIGILL (an instruction this CPU or VM does not run, e.g. AMX in the "
+                    "repacked quantised kernels): start it with --no-repack (ServerSettings(extra=('--no-repack',)))")
+        return f"; llama-server exited with status {proc.returncode}"
+
     def _last_log_line(self) -> str:
         try:
             lines = [ln.strip() for ln in self._log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -292,7 +302,7 @@ class LlamaServer(Engine):
         try:
             status, payload = self._request("POST", path, body)
         except (OSError, http.client.HTTPException) as exc:
-            raise EngineError(f"{self.name}: {path} failed: {exc} (log: {self._log})") from None
+            raise EngineError(f"{self.name}: {path} failed: {exc}{self._death()} (log: {self._log})") from None
         if status != 200:
             msg = payload.get("error", {}).get("message") if isinstance(payload.get("error"), dict) else payload
             raise EngineError(f"{self.name}: {path} answered HTTP {status}: {msg} (log: {self._log})")
