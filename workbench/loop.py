@@ -12,7 +12,10 @@ A round:
  6. mechanisms recorded with their evidence (and, headless, accepted into the global memory).
 
 Everything is in the workspace memory as it happens (rounds, branches, evaluations, events), and a
-round's summary is saved after every attempt, so a killed loop resumes its interrupted round.
+round's summary is saved after every agent and every attempt, so a killed loop resumes its interrupted
+round: an attempt already evaluated is kept, a branch whose agent had finished (its evaluation was in
+flight, here or on a Ray node) is evaluated again at the commit the agent left, and only an agent that
+was still at work starts over.
 """
 
 from __future__ import annotations
@@ -313,39 +316,64 @@ class Loop:
         ceiling = summary.setdefault("ceiling", self.session_ceiling())  # one ceiling for the whole round
         self.ws.memory.update_round(rnd.id, summary=summary)
 
-        todo = []
+        # An agent's result is saved with the branch's head when the agent returns: a resumed round evaluates
+        # that commit again (its evaluation was in flight when the loop died) instead of re-running the agent.
+        finished = summary.setdefault("agents", {})
+        todo: list[tuple[str, Direction, AgentResult | None]] = []
         for d in dirs:
             name = f"r{index}-{d.family}-{agent.name}"
             if name in done:
                 continue
+            prior = finished.get(name)
+            if prior is not None and self.ws.find_branch(name) is not None and self.ws.head(name) == prior["head"]:
+                self.say(f"round {index}: {name}: its agent had finished at {prior['head'][:10]}; evaluating that "
+                         f"commit again", "loop.resubmit", {"branch": name, "head": prior["head"]})
+                todo.append((name, d, AgentResult(prior["committed"], prior["message"], prior.get("mechanism", ""),
+                                                  prior.get("summary", ""), prior.get("details") or {})))
+                continue
             if self.ws.find_branch(name) is not None:
-                self.ws.reset_branch(name, base)  # an interrupted attempt: start it over
+                self.ws.reset_branch(name, base)  # an interrupted agent: start it over
             else:
                 self.ws.create_branch(name, base=base, agent=agent.name, direction=d.family, round_id=rnd.id)
-            todo.append((name, d))
-        executor = self.executor or LocalExecutor(min(len(todo) or 1, self.opts.agents, os.cpu_count() or 1))
+            todo.append((name, d, None))
+        order = {f"r{index}-{d.family}-{agent.name}": i for i, d in enumerate(dirs)}
+        lock = threading.Lock()  # agents and (with a concurrent evaluator) evaluations end in worker threads
 
-        def agent_then_evaluation(name: str, d: Direction) -> tuple[AgentResult, dict]:
+        def agent_result(name: str, d: Direction, prior: AgentResult | None) -> AgentResult:
+            if prior is not None:
+                return prior
             res = self._run_agent(agent, name, d, gaps, visible)
             self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
                      {"branch": name, "committed": res.committed})
-            return res, self._attempt(name, d, agent.name, res, base, base_ar, ceiling)
+            with lock:
+                finished[name] = {"committed": res.committed, "message": res.message, "mechanism": res.mechanism,
+                                  "summary": res.summary, "details": res.details, "head": self.ws.head(name)}
+                self.ws.memory.update_round(rnd.id, summary=summary)
+            return res
 
-        try:
-            if self.evaluator.concurrent:  # recorded in the round in the same order as below
-                futures = {name: executor.submit(agent_then_evaluation, name, d) for name, d in todo}
-            else:
-                futures = {name: executor.submit(self._run_agent, agent, name, d, gaps, visible) for name, d in todo}
-            for name, d in todo:
-                if self.evaluator.concurrent:
-                    _res, att = futures[name].result()
-                else:
-                    res: AgentResult = futures[name].result()
-                    self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
-                             {"branch": name, "committed": res.committed})
-                    att = self._attempt(name, d, agent.name, res, base, base_ar, ceiling)
+        def record(att: dict) -> None:
+            with lock:  # saved as soon as it ends, in the directions' order: a resumed round never evaluates it again
                 summary["attempts"].append(att)
-                self.ws.memory.update_round(rnd.id, summary=summary)  # saved after every attempt
+                summary["attempts"].sort(key=lambda a: order.get(a["branch"], -1))
+                self.ws.memory.update_round(rnd.id, summary=summary)
+
+        def agent_then_evaluation(name: str, d: Direction, prior: AgentResult | None) -> None:
+            res = agent_result(name, d, prior)
+            record(self._attempt(name, d, agent.name, res, base, base_ar, ceiling))
+
+        pending = [(name, d, prior) for name, d, prior in todo if prior is None]
+        jobs = todo if self.evaluator.concurrent else pending
+        executor = self.executor or LocalExecutor(min(len(jobs) or 1, self.opts.agents, os.cpu_count() or 1))
+        try:
+            if self.evaluator.concurrent:  # each evaluation starts as soon as its agent ends
+                futures = [executor.submit(agent_then_evaluation, name, d, prior) for name, d, prior in todo]
+                for f in futures:
+                    f.result()
+            else:  # agents in parallel, evaluations one after the other here
+                results = {name: executor.submit(agent_result, name, d, prior) for name, d, prior in pending}
+                for name, d, prior in todo:
+                    res = prior if prior is not None else results[name].result()
+                    record(self._attempt(name, d, agent.name, res, base, base_ar, ceiling))
         finally:
             if self.executor is None:
                 executor.shutdown()
