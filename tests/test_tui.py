@@ -469,6 +469,8 @@ def test_force_cancel_reevaluate_recover_from_the_keyboard(ws):
     from workbench.harness import _LIVE
 
     ws.create_branch("empty")
+    machine_profiled_before()  # E on a committed branch needs the plausibility ceiling: no machine measurement
+    make_branch(ws, "protected", "specpilot.toml", "[deployment]", "[deployment]\n# edited by the candidate")
     make_branch(ws, "stuck", "decoder/generate.py", '    if cfg.method == "sd" and cfg.drafter == "routed":\n',
                 '    time.sleep(600)\n    if cfg.method == "sd" and cfg.drafter == "routed":\n')
 
@@ -498,6 +500,14 @@ def test_force_cancel_reevaluate_recover_from_the_keyboard(ws):
             select_row(app, "#branches-table", "empty")
             await pilot.press("E")
             await until(pilot, lambda: any("empty: discard" in t for t in toasts(app)), 60, "the re-evaluation")
+            # A committed branch goes through the loop's own attempt (the ceiling and the base's ratio from the
+            # store): here the guard rejects it before anything runs.
+            await until(pilot, lambda: "protected" in app.query_one("#branches-table").rows, 10, "its row")
+            select_row(app, "#branches-table", "protected")
+            await pilot.press("E")
+            await until(pilot, lambda: any(t.startswith("protected: rejected") for t in toasts(app)), 60,
+                        "the guard's verdict")
+            assert not [n for n in app._notifications if n.severity == "error"], toasts(app)
             await pilot.press("R")
             await until(pilot, lambda: any(t.startswith("recover:") for t in toasts(app)), 30, "recover")
             await pilot.pause(0.3)

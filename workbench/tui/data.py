@@ -372,10 +372,9 @@ def reevaluate(ws: Workspace, branch: str) -> dict:
         ws.memory.update_branch(b.id, status="discarded")
         ws.memory.add_evaluation(b.id, "agent", "discard", "nothing committed beyond its base: launch an agent (l)")
         return {"branch": branch, "status": "discard", "reason": "nothing committed beyond its base"}
-    ceiling = loop.state.get("ceiling") or loop.ceiling()
     d = Direction(b.direction or "-", 0.0, "re-evaluated from the TUI")
-    return loop._attempt(branch, d, b.agent, AgentResult(True, "re-evaluated"), base,
-                         float(loop.state.get("base_speedup_over_ar", 1.0)), ceiling)
+    return loop._attempt(branch, d, b.agent, AgentResult(True, "re-evaluated"), base, loop.base_speedup_over_ar(),
+                         loop.session_ceiling())
 
 
 def mark_interrupted(ws: Workspace, branches: list[str]) -> None:
