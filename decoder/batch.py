@@ -234,6 +234,12 @@ class BatchRun:
     wall_s: float
     steps: int  # batched target forwards after prefill
     stats: DecodeStats = field(default_factory=DecodeStats)  # summed over requests; phase_s for the run
+    live_steps: int = 0  # live requests summed over the steps: the concurrency the engine actually saw
+
+    @property
+    def mean_live(self) -> float:
+        """Mean live requests per step; below the batch size when requests finish early (an EOS at once)."""
+        return self.live_steps / self.steps if self.steps else 0.0
 
     @property
     def new_tokens(self) -> int:
@@ -323,7 +329,7 @@ class BatchEngine:
         slots: list[_Slot | None] = [None] * self.max_batch
         results: list[RequestResult | None] = [None] * len(requests)
         t0 = clock()
-        steps = 0
+        steps = live_steps = 0
         while pending or any(s is not None for s in slots):
             now = clock() - t0
             if cfg.continuous_batching:
@@ -350,6 +356,7 @@ class BatchEngine:
                 continue
             self._step(slots, live)
             steps += 1
+            live_steps += len(live)
             now = clock() - t0
             for i in live:
                 self._finish_if_done(slots[i], results, requests, now)
@@ -358,7 +365,7 @@ class BatchEngine:
         for r in results:
             self.run_stats.merge(r.stats)
         self.run_stats.wall_s = wall
-        return BatchRun(results, wall, steps, self.run_stats)
+        return BatchRun(results, wall, steps, self.run_stats, live_steps)
 
     def _finish_if_done(self, s: _Slot, results: list, requests: list[Request], now: float) -> None:
         if not s.done or results[s.req] is not None:

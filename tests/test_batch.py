@@ -233,6 +233,17 @@ def test_engine_rejects_bad_arguments():
         BatchEngine(target, DecodeConfig(), 2)
 
 
+def test_a_run_counts_the_live_requests_of_each_step():
+    # What a batch point really measured: 3 requests decoding 6 tokens each are live in all 5 steps after the
+    # prefill (its token is the first); requests done at the prefill (max_new_tokens 1) leave no step at all.
+    target = tiny_llama()
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    run = batch_generate(DecodeConfig(method="ar", max_new_tokens=6, stop_at_eos=False), target, prompts, 4)
+    assert (run.steps, run.live_steps, run.mean_live) == (5, 15, 3.0)
+    run = batch_generate(DecodeConfig(method="ar", max_new_tokens=1, stop_at_eos=False), target, prompts, 4)
+    assert (run.steps, run.mean_live) == (0, 0.0)
+
+
 # -- bench ------------------------------------------------------------------------------------------
 
 @needs_demo

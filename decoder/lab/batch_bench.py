@@ -177,6 +177,7 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
             run, chk = best[("method", m)]
             method_rows.append({
                 "name": m, "batch_size": b, "tokens_per_s": round(run.tokens_per_s, 2),
+                "mean_live": round(run.mean_live, 2),
                 "batched_ar_tokens_per_s": round(plain_ar, 2),
                 "speedup_vs_batched_ar": round(run.tokens_per_s / plain_ar, 4),
                 "tau": round(run.stats.tau, 4), "acceptance_rate": round(run.stats.acceptance_rate, 4),
@@ -276,6 +277,7 @@ def measure_schedule(timed, sd: DecodeConfig, ar: DecodeConfig, batch_sizes: tup
                        "sd_tokens_per_s": round(best_sd[0].tokens_per_s, 2),
                        "speedup": round(best_sd[0].tokens_per_s / best_ar[0].tokens_per_s, 4),
                        "draft_len": chosen.get(b), "tau": round(best_sd[0].stats.tau, 4),
+                       "mean_live": round(best_sd[0].mean_live, 2),
                        "tokens_per_s_by_draft_len": {str(k): round(v, 2) for k, v in per_b.get(b, {}).items()},
                        "unexplained_mismatches": best_sd[1]["unexplained_mismatches"]})
     return {"drafter": sd.drafter, "load_schedule": text, "mechanisms": ["ragged_verify", "continuous_batching"],
@@ -315,13 +317,15 @@ def format_batch_table(report: dict) -> str:
     for r in report.get("batch_methods", []):
         lines.append(f"B={r['batch_size']} {r['name']}: {r['tokens_per_s']:.1f} tok/s "
                      f"({r['speedup_vs_batched_ar']:.2f}x batched AR), tau {r['tau']:.2f}, "
+                     + (f"{r['mean_live']:.1f} live requests per step, " if "mean_live" in r else "") +
                      f"{r['unexplained_mismatches']} unexplained")
     for sc in report.get("schedule", []):
         lines.append(f"scheduled {sc.get('name', sc['drafter'])} (load_schedule = \"{sc['load_schedule']}\", "
                      f"ragged+continuous) against batched AR:")
         lines += [f"  B={pt['batch_size']}: draft {pt['draft_len']}, {pt['sd_tokens_per_s']:.1f} vs "
                   f"{pt['ar_tokens_per_s']:.1f} tok/s = {pt['speedup']:.2f}x, "
-                  f"{pt['unexplained_mismatches']} unexplained"
+                  + (f"{pt['mean_live']:.1f} live requests per step, " if "mean_live" in pt else "")
+                  + f"{pt['unexplained_mismatches']} unexplained"
                   for pt in sc["points"]]
     lossless = all(r["unexplained_mismatches"] == 0 and r["ar_unexplained_mismatches"] == 0 for r in report["batch"])
     lossless = lossless and all(pt["unexplained_mismatches"] == 0 for sc in report.get("schedule", [])
