@@ -136,9 +136,10 @@ def _toml_value(v: object) -> str:
     raise ConfigError(f"decode config: value {v!r} ({type(v).__name__}) cannot be written as a TOML scalar")
 
 
-def dump_table(table: dict) -> str:
-    """The [decode] TOML text of `table`: DecodeConfig's keys in its order, then any others sorted."""
-    order = {f.name: i for i, f in enumerate(fields(DecodeConfig))}
+def dump_table(table: dict, schema: type | None = None) -> str:
+    """The [decode] TOML text of `table`: the keys of `schema` (a config dataclass; default DecodeConfig) in its
+    order, then any others sorted."""
+    order = {f.name: i for i, f in enumerate(fields(schema or DecodeConfig))}
     keys = sorted(table, key=lambda k: (k not in order, order.get(k, 0), k))
     return "\n".join(["[decode]", *(f"{k} = {_toml_value(table[k])}" for k in keys)]) + "\n"
 

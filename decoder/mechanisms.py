@@ -12,7 +12,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decoder.config import FEATURE_NEEDS, TREE_NEEDS, DecodeConfig
+from decoder.config import FEATURE_NEEDS, TREE_NEEDS, ConfigError, DecodeConfig, verify_width
+from decoder.engines.llamacpp_config import LlamaCppConfig
 
 # What the tuner sets with a tree mechanism: the lean forward too (on a recurrent target, where it cannot run,
 # Workspace.refusal drops the candidate: tree verification there is the HF path's, set by hand or by an agent).
@@ -49,6 +50,42 @@ def load_registry(path: Path = REGISTRY_FILE) -> dict[str, Mechanism]:
 
 
 REGISTRY: dict[str, Mechanism] = load_registry()
+
+
+LLAMA_CPP_REGISTRY_FILE = Path(__file__).parent / "engines" / "llamacpp_mechanisms.toml"
+LLAMA_CPP_REGISTRY: dict[str, Mechanism] = load_registry(LLAMA_CPP_REGISTRY_FILE)
+ENGINES = ("torch", "llama.cpp")  # a workspace's [system] engine: whose config contract system.toml holds
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A system's config contract: the config class of its system.toml, the mechanisms the tuner composes on
+    it, and the keys that make it plain AR (the loop's reference)."""
+
+    engine: str
+    config: type  # DecodeConfig or LlamaCppConfig: from_table, as_dict, to_toml, validate (ConfigError)
+    registry: dict[str, Mechanism]
+    ar: dict[str, object]
+
+    def verify_width(self, table: dict) -> int:
+        """Tokens one verify forward of the config in `table` may hold (1 for AR)."""
+        if self.config is LlamaCppConfig:  # a candidate's malformed table reads as stock's width
+            try:
+                return LlamaCppConfig.from_table(table, known_only=True).verify_width()
+            except (ConfigError, TypeError):
+                return 1
+        return verify_width(table)
+
+
+CONTRACTS = {"torch": Contract("torch", DecodeConfig, REGISTRY, {"method": "ar"}),
+             "llama.cpp": Contract("llama.cpp", LlamaCppConfig, LLAMA_CPP_REGISTRY, {"spec_type": "none"})}
+
+
+def contract_for(engine: str) -> Contract:
+    """The config contract of a workspace's engine (ValueError naming the known ones)."""
+    if engine not in CONTRACTS:
+        raise ValueError(f"engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    return CONTRACTS[engine]
 
 
 def stock_config() -> DecodeConfig:

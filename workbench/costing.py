@@ -23,7 +23,7 @@ from costmodel.hardware import (
 )
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
-from decoder.config import verify_width
+from costmodel.widths import WidthProfile, measured_profile, width_gaps
 from decoder.stats import DecodeStats, MethodEntry
 from workbench.cascade import paired_load
 from workbench.forcing import run_system
@@ -33,11 +33,51 @@ from workbench.workspace import Workspace, WorkspaceError
 Say = Callable[..., None]  # say(message, kind="loop", payload=None): progress line and ledger event
 
 
-def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile:
+def width_profile(ws: Workspace, say: Say) -> WidthProfile:
+    """A llama.cpp workspace's cost model: the engine's forward cost at each verify width for stock's threads,
+    measured with llama-bench at the prompts' mean context, cached in `.specpilot/widths.json` per (model,
+    threads, fixed flags, depth)."""
+    from decoder.engines import EngineError
+    from decoder.engines.llamacpp import bench_widths
+    from decoder.engines.llamacpp_config import LlamaCppConfig
+    from workbench.forcing import fixed_server_flags
+
+    cfg = LlamaCppConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
+    threads = cfg.threads or len(os.sched_getaffinity(0))
+    prompts = load_prompts(ws)
+    depth = int(sum(len(p.ids) for p in prompts) / max(len(prompts), 1)) + ws.config.forcing_max_new_tokens // 2
+    fixed = fixed_server_flags(ws)
+    key = {"model": str(ws.config.target), "threads": threads, "fixed": fixed, "depth": depth}
+    path = ws.state / "widths.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return WidthProfile.from_dict(saved["profile"])
+    except (OSError, ValueError, KeyError):
+        pass
+    say(f"measuring llama.cpp's forward cost per verify width for the cost model (llama-bench, {threads} thread(s), "
+        f"context {depth})")
+    bench = (ws.config.engine_bin / "llama-bench") if ws.config.engine_bin else None
+    try:
+        mean, std = bench_widths(ws.config.target, threads=threads, depth=depth, extra=fixed, bench=bench)
+    except EngineError as e:
+        raise WorkspaceError(f"the llama.cpp cost model: {e}") from None
+    prof = measured_profile(f"llama.cpp {ws.config.target.name}, {threads} thread(s)", mean, threads=threads,
+                            depth=depth, stddev_ms={str(w): round(v, 4) for w, v in std.items()})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "profile": prof.as_dict()}))
+    os.replace(tmp, path)
+    return prof
+
+
+def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile | WidthProfile:
     """The deployment's hardware profile. This machine's (`cpu-local`) is measured (3 runs, the quietest
     kept) when it never was, or was measured once or on a loaded machine (runs differing by more than
     MAX_PROFILE_SPREAD). Only a profile within that spread is saved; after two wide tries the quietest run
-    serves, and the ceiling's announcement says it is unreliable."""
+    serves, and the ceiling's announcement says it is unreliable. A llama.cpp workspace's is its width
+    profile (`width_profile`)."""
+    if ws.config.engine == "llama.cpp":
+        return width_profile(ws, say)
     from decoder.lab.hardware import measure_cpu_local_repeated  # torch: only when a measurement is due
 
     try:
@@ -60,29 +100,38 @@ def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile:
     return min(runs, key=lambda p: (profile_spread(p) or 0.0))
 
 
-def oracle_ceiling(ws: Workspace, hw: HardwareProfile, draft_len: int) -> float:
+def oracle_ceiling(ws: Workspace, hw: HardwareProfile | WidthProfile, draft_len: int) -> float:
     """The highest lossless speedup over AR the cost model allows at `draft_len` (every draft accepted)."""
+    if isinstance(hw, WidthProfile):
+        return hw.oracle(draft_len + 1)[0]
     c = ws.config
     drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
     k = max(1, min(draft_len, MAX_ORACLE_DRAFT_LEN))
     return CostDeployment(c.name, hw, load_model_profile(c.target), drafter, draft_len=k).oracle_ceiling()
 
 
-def ceiling_for(ws: Workspace, hw: HardwareProfile, commit: str, floor: float) -> float:
+def ceiling_for(ws: Workspace, hw: HardwareProfile | WidthProfile, commit: str, floor: float) -> float:
     """The plausibility ceiling of the system at `commit`: the oracle at the verify width its own config sets
     (a tree or a longer draft may legitimately go beyond the base's), never below `floor`."""
     try:
-        width = verify_width(ws.config_at(commit))
+        width = ws.contract.verify_width(ws.config_at(commit))
     except WorkspaceError:
         return floor
     return max(floor, oracle_ceiling(ws, hw, width - 1))
 
 
-def plausibility_ceiling(ws: Workspace, hw: HardwareProfile, say: Say) -> float:
+def plausibility_ceiling(ws: Workspace, hw: HardwareProfile | WidthProfile, say: Say) -> float:
     """The oracle ceiling that flags implausible speedups at stock's verify width (a candidate's own width
     raises its own: `ceiling_for`), announced with the profile it came from."""
-    k = max(1, verify_width(ws.config_at(ws.stock_commit)) - 1)
+    k = max(1, ws.contract.verify_width(ws.config_at(ws.stock_commit)) - 1)
     value = oracle_ceiling(ws, hw, k)
+    if isinstance(hw, WidthProfile):
+        costs = ", ".join(f"w{w} {v:.1f}" for w, v in sorted(hw.ms.items()))
+        say(f"plausibility ceiling {value:.2f}x over AR at width {k + 1}, from llama.cpp's measured forward costs "
+            f"(ms: {costs}; load {hw.measured.get('load_avg')})", "loop.ceiling",
+            {"ceiling": value, "draft_len": k, "hardware": hw.name, "source": hw.source, **hw.measured,
+             "width_ms": hw.as_dict()["ms"], "reliable": True})
+        return value
     m = hw.measured
     reliable = hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD
     evidence = {"ceiling": value, "draft_len": k, "hardware": hw.name, "source": hw.source,
@@ -97,7 +146,7 @@ def plausibility_ceiling(ws: Workspace, hw: HardwareProfile, say: Say) -> float:
 
 
 def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
-                hardware: Callable[[], HardwareProfile]) -> dict:
+                hardware: Callable[[], HardwareProfile | WidthProfile]) -> dict:
     """Profile `commit` through the harness and break its time per token into ranked gaps. Saved per commit
     (`.specpilot/gaps/<commit>.json`, with `label` and the time): a later launch on the same base reuses it
     (or a round's profile of it), and the TUI's Overview shows whichever ran last."""
@@ -118,15 +167,17 @@ def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
     return out
 
 
-def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile) -> dict:
+def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile | WidthProfile) -> dict:
     wt = ws.detached_worktree("_measure", commit)
     prompts = load_prompts(ws)
-    draft_len = verify_width(ws.config_at(commit)) - 1  # a candidate's own keys pass through
+    draft_len = ws.contract.verify_width(ws.config_at(commit)) - 1  # a candidate's own keys pass through
     with run_system(ws, wt, "profile") as sp:
         sp.generate(prompts[0].ids, 4)
         entry = profile_entry(sp, prompts, ws.config.forcing_max_new_tokens, draft_len)
         loads = {bs: _load_profile(sp, prompts, bs, ws.config.forcing_max_new_tokens)
                  for bs in ws.config.batch_sizes if bs > 1}
+    if isinstance(hw, WidthProfile):
+        return {"entry": entry.as_dict(), "breakdown": width_gaps(entry.as_dict(), hw, len(prompts)).as_dict()}
     context = int(sum(len(p.ids) for p in prompts) / len(prompts))
     bd = measured_gaps(entry, hw, load_model_profile(ws.config.target), context, num_prompts=len(prompts))
     out = bd.as_dict()

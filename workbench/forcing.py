@@ -32,6 +32,7 @@ from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 STOCK_WORKTREE = "_stock"
 NOISE_CHUNKS = (2, 4, 8)
 NOISE_PROMPTS = 4
+NOISE_STRIDE = 8  # llama.cpp: every 8th position of a noise prompt is also evaluated from scratch
 
 
 @dataclass
@@ -95,8 +96,45 @@ def stock_reference(ws: Workspace, progress: bool = True) -> dict:
     return ref
 
 
+def fixed_server_flags(ws: Workspace) -> list[str]:
+    """The flags a llama.cpp workspace's every server gets (`--server-flag=F` in its entry, set at init)."""
+    return [a.split("=", 1)[1] for a in ws.config.entry if a.startswith("--server-flag=")]
+
+
+def _llama_margins_and_noise(ws: Workspace, rows: list[dict]) -> float:
+    """A llama.cpp workspace: stock's top-2 margins at every position from llama-server itself (top-2
+    log-probabilities, one cached one-token forward per position; their difference is the logit margin), and
+    the noise floor: the largest margin difference between those one-token forwards and the same positions
+    evaluated from scratch in prompt batches, on NOISE_PROMPTS prompts (every NOISE_STRIDE-th position).
+    Stock's binary and the deployment's model, run here (they are not candidate files)."""
+    import tempfile
+
+    from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
+    from decoder.engines.llamacpp_config import LlamaCppConfig
+
+    cfg = LlamaCppConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
+    server = Path(ws.config.engine_bin or "") / "llama-server"
+    floor = 0.0
+    with tempfile.TemporaryDirectory(prefix="specpilot-margins-") as tmp, LlamaServer(
+            ws.config.target, SpecSettings(extra=(*cfg.server_flags(), *fixed_server_flags(ws))),
+            ServerSettings(threads=1, ctx_size=cfg.ctx_size),  # untimed: one thread never waits on a busy core
+            name="llama-server (stock margins)", log_dir=Path(tmp), server=server) as srv:
+        for i, r in enumerate(tqdm(rows, desc="stock margins", unit="prompt", disable=not os.isatty(2))):
+            p, s = r["prompt_ids"], r["stock"]
+            scores = srv.score(p, s[:-1]) if s else []
+            r["margins"] = [sc.margin if sc.margin is not None else 1e9 for sc in scores]
+            if i < NOISE_PROMPTS:
+                for j in range(0, len(s), NOISE_STRIDE):
+                    fresh = srv.score_fresh(p + s[:j])
+                    if fresh.margin is not None and scores[j].margin is not None:
+                        floor = max(floor, abs(fresh.margin - scores[j].margin))
+    return floor
+
+
 def _margins_and_noise(ws: Workspace, rows: list[dict]) -> float:
     """Stock's top-2 margins from one teacher-forced forward per prompt, and the noise floor."""
+    if ws.config.engine == "llama.cpp":
+        return _llama_margins_and_noise(ws, rows)
     import torch
 
     from decoder.lab.bench import noise_floor

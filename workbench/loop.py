@@ -169,11 +169,12 @@ class Loop:
         if AR_BRANCH not in repo.heads:
             wt = self.ws.detached_worktree("_ar", self.ws.stock_commit)
             # Stock's config with one key changed, every other key (the system's own included) kept.
-            ar = {**self.ws.config_at(self.ws.stock_commit), "method": "ar"}
-            (wt / self.ws.config.config_file).write_text(dump_table(ar))
+            ar = {**self.ws.config_at(self.ws.stock_commit), **self.ws.contract.ar}
+            (wt / self.ws.config.config_file).write_text(dump_table(ar, self.ws.contract.config))
             g = self.ws.worktree_git("_ar")
             g.add(self.ws.config.config_file)
-            g.commit("-q", "-m", "reference: the AR baseline (stock with method = ar)")
+            g.commit("-q", "--allow-empty", "-m", "reference: the AR baseline (stock with "
+                     + ", ".join(f"{k} = {v}" for k, v in self.ws.contract.ar.items()) + ")")
             repo.create_head(AR_BRANCH, g.rev_parse("HEAD").strip())
 
     def base_commit(self) -> str:
@@ -209,13 +210,14 @@ class Loop:
         base_cfg = None
         if base is not None and self.opts.agent == "tuner":
             try:  # the tuner turns the keys it knows; a base with keys it does not know keeps them
-                base_cfg = DecodeConfig.from_table(table, known_only=True)
+                base_cfg = self.ws.contract.config.from_table(table, known_only=True)
             except ConfigError as e:
                 self.say(f"the built-in tuner cannot read the base config ({e}); it skips this round")
                 return []
         out, tried = plan_directions(breakdown, exhausted, agents=self.opts.agents, agent=self.opts.agent,
                                      device=device, base_cfg=base_cfg, memory_for=self._memory_for,
-                                     transfer_tried=self.transfer_tried(), refuse=self.ws.refusal)
+                                     transfer_tried=self.transfer_tried(), refuse=self.ws.refusal,
+                                     contract=self.ws.contract)
         self._transfer_tried = self._transfer_tried or tried
         return out
 

@@ -9,21 +9,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from decoder.config import DecodeConfig
-from decoder.mechanisms import REGISTRY
+from decoder.mechanisms import Contract
 from workbench.agents.base import Direction
-from workbench.agents.tuner import candidates
+from workbench.agents.tuner import TORCH, candidates
 
 
-def registry_mechanisms(family: str, device: str) -> list[dict]:
+def registry_mechanisms(family: str, device: str, contract: Contract = TORCH) -> list[dict]:
     """The registered mechanisms of a gap family that run on `device` (cpu, cuda), as an agent sees them."""
     return [{"name": m.name, "keys": {k: list(v) for k, v in m.keys.items()}, "applies": m.applies,
-             "summary": m.summary} for m in REGISTRY.values() if m.family == family and device in m.devices]
+             "summary": m.summary} for m in contract.registry.values() if m.family == family and device in m.devices]
 
 
 def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent: str, device: str,
                     base_cfg: DecodeConfig | None, memory_for: Callable[[str], list[dict]],
                     transfer_tried: bool, refuse: Callable[[DecodeConfig], str | None] | None = None,
-                    ) -> tuple[list[Direction], bool]:
+                    contract: Contract = TORCH) -> tuple[list[Direction], bool]:
     """Up to `agents` directions from the gap breakdown, largest gap first (families where other deployments
     accepted mechanisms first among equals), skipping families explored without a gain (`exhausted`), with
     nothing to gain, or, for the tuner, with nothing left to turn on `base_cfg`. The first time memory has
@@ -34,11 +34,11 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
     for fam, ms in fams:
         if fam in exhausted or ms <= 0:
             continue  # explored without a gain on this base, or nothing to gain (e.g. batching at B = 1)
-        mechs = registry_mechanisms(fam, device)
+        mechs = registry_mechanisms(fam, device, contract)
         memory = memory_for(fam)
         if agent == "tuner" and not mechs and not memory:
             continue  # the tuner has nothing to turn for this family
-        if base_cfg is not None and not candidates(base_cfg, fam, memory, refuse=refuse):
+        if base_cfg is not None and not candidates(base_cfg, fam, memory, refuse=refuse, contract=contract):
             continue  # every mechanism of the family is already on in the base: no agent slot for it
         gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
         out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))

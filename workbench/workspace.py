@@ -37,6 +37,8 @@ import decoder
 import kernels
 from decoder.capabilities import refusal
 from decoder.config import ConfigError, DecodeConfig, read_table
+from decoder.engines.llamacpp_config import LlamaCppConfig
+from decoder.mechanisms import ENGINES, Contract, contract_for
 from store import Branch, Memory, StoreError, data_dir
 from workbench.harness import sandbox_status, unreadable_for_sandbox
 from workbench.progress import pid_alive
@@ -97,6 +99,8 @@ class WorkspaceConfig:
     bench: dict = field(default_factory=dict)  # noise_pairs, noise_margin: see cascade.noise_floor
     llm: dict = field(default_factory=dict)  # the [llm] table: the LLM agent's endpoint (the environment fills gaps)
     executor: dict = field(default_factory=dict)  # the [executor] table: where evaluations run (workbench.executor)
+    engine: str = "torch"  # [system] engine: torch (decoder/serve.py) or llama.cpp (decoder/engines/serve_llamacpp.py)
+    engine_bin: Path | None = None  # [system] engine_bin: the engine's binaries, read-only in the sandbox (llama.cpp)
 
     @classmethod
     def load(cls, path: Path) -> WorkspaceConfig:
@@ -117,7 +121,9 @@ class WorkspaceConfig:
                        config_file=s.get("config", "system.toml"), protected=list(s.get("protected", [])),
                        forcing_max_new_tokens=int(f.get("max_new_tokens", 64)),
                        max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim),
-                       bench=dict(bench), llm=dict(data.get("llm", {})), executor=data.get("executor", {}))
+                       bench=dict(bench), llm=dict(data.get("llm", {})), executor=data.get("executor", {}),
+                       engine=str(s.get("engine", "torch")),
+                       engine_bin=Path(s["engine_bin"]) if s.get("engine_bin") else None)
         except KeyError as e:
             raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
 
@@ -135,6 +141,8 @@ class WorkspaceConfig:
                   f"load = {{batch_sizes = {json.dumps(self.batch_sizes)}}}", "",
                   "[system]", "# run as a subprocess from the branch's worktree; {target} {drafter} {python} expand",
                   f"entry = {json.dumps(self.entry)}", f"config = {q(self.config_file)}",
+                  *([f"engine = {q(self.engine)}"] if self.engine != "torch" else []),
+                  *([f"engine_bin = {q(self.engine_bin)}"] if self.engine_bin else []),
                   "# a candidate commit touching one of these is rejected before it runs",
                   f"protected = {json.dumps(self.protected)}", "",
                   "[forcing]", f"max_new_tokens = {self.forcing_max_new_tokens}",
@@ -149,7 +157,9 @@ class WorkspaceConfig:
         return "\n".join(lines) + "\n"
 
     def model_dirs(self) -> list[Path]:
-        return [p for p in (self.target, self.drafter, self.tokenizer) if p is not None]
+        """What the system's sandbox may read besides the Python environment: the models (directories or GGUF
+        files), the tokenizer and the engine's binaries."""
+        return [p for p in (self.target, self.drafter, self.tokenizer, self.engine_bin) if p is not None]
 
 
 class Workspace:
@@ -171,6 +181,9 @@ class Workspace:
         self._memory: Memory | None = None
         self._configs: dict[str, dict] = {}  # commit -> its [decode] table (commits never change)
         self._model_configs: tuple | None = None  # (target, drafter) transformers configs, read on first use
+        if self.config.engine not in ENGINES:
+            raise WorkspaceError(f"{self.path / 'specpilot.toml'}: [system] engine = {self.config.engine!r}; "
+                                 f"choose one of {', '.join(ENGINES)}")
 
     # -- basics ----------------------------------------------------------------------------------------
 
@@ -216,9 +229,19 @@ class Workspace:
             self._configs[sha] = hit
         return dict(hit)
 
-    def refusal(self, cfg: DecodeConfig) -> str | None:
+    @property
+    def contract(self) -> Contract:
+        """The config contract of this workspace's system: system.toml's class, the registry the tuner composes,
+        the keys of its AR reference."""
+        return contract_for(self.config.engine)
+
+    def refusal(self, cfg: DecodeConfig | LlamaCppConfig) -> str | None:
         """Why this deployment's models cannot run `cfg` (decoder/capabilities.py: architecture, a missing
         draft model), in one line; None when they can. The tuner and planning propose only what can run."""
+        if isinstance(cfg, LlamaCppConfig):
+            if cfg.spec_type == "draft-simple" and self.config.drafter is None:
+                return "this deployment has no draft model GGUF (specpilot.toml: drafter)"
+            return None
         if cfg.method == "sd" and cfg.drafter == "draft-model" and self.config.drafter is None:
             return "this deployment has no draft model (specpilot.toml: drafter)"
         if self._model_configs is None:
@@ -751,6 +774,118 @@ def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | N
                    what=f"workspace for target {target} ({len(rows)} prompts from {source})")
 
 
+LLAMA_CPP_DEPLOYMENTS = ("demo", "smollm2")
+LLAMA_CPP_PROTECTED = ["specpilot.toml", "prompts/", "decoder/engines/serve_llamacpp.py", ".gitignore"]
+LLAMA_CPP_README = """
+## The deployment: llama.cpp
+
+The system is llama.cpp's `llama-server` ({server}) serving `{target}`{drafter}, started and timed by the
+harness through `decoder/engines/serve_llamacpp.py` (the JSON-lines protocol over a UNIX socket). `system.toml`
+holds the server's flags (decoder/engines/llamacpp_config.py; 0 = the engine's default); stock is
+`spec_type = "{spec_type}"`. The tuner composes the flags of decoder/engines/llamacpp_mechanisms.toml.
+Prompts: {visible} visible, {hidden} hidden, from {source}. Fixed server flags: {fixed}.
+"""
+
+
+def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None, Path, Path]:
+    """(target GGUF, drafter GGUF or None, tokenizer directory, prompts file) of a named deployment."""
+    from decoder.engines.llamacpp_build import gguf_path
+    from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_hf_dir, smollm2_prompts
+    from decoder.models import DEMO_DIR
+
+    if deployment == "demo":
+        target, drafter = gguf_path("target", "bf16"), gguf_path("drafter", "bf16")
+        if not target.is_file() or not drafter.is_file():
+            raise WorkspaceError(f"--deployment demo: the demo's GGUF files are missing ({target}); run `make "
+                                 f"llama-cpp` (it builds the engine and converts the demo models)")
+        return target, drafter, (DEMO_DIR / "target").resolve(), DEMO_DIR / "prompts" / f"{prompts}.jsonl"
+    try:
+        target = smollm2_gguf()
+        hf = smollm2_hf_dir()  # its tokenizer (and chat template) tokenizes the prompts the harness sends
+        return target, None, hf, smollm2_prompts(hf) / f"{prompts}.jsonl"
+    except ModelFetchError as e:
+        raise WorkspaceError(f"--deployment smollm2: {e}") from None
+
+
+def _probe_server(server: Path, target: Path, cfg: LlamaCppConfig) -> list[str]:
+    """Start llama-server once on the target with stock's flags and decode a few tokens: the fixed flags the
+    deployment needs on this machine ([] or ["--no-repack"] where the repacked quantised kernels use an
+    instruction this CPU lacks, e.g. AMX under a VM); WorkspaceError when it cannot run at all."""
+    import tempfile as _tempfile
+
+    from decoder.engines import EngineError
+    from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
+
+    last = ""
+    for fixed in ([], ["--no-repack"]):
+        with _tempfile.TemporaryDirectory(prefix="specpilot-probe-") as tmp:
+            srv = LlamaServer(target, SpecSettings(extra=(*cfg.server_flags(), *fixed)),
+                              ServerSettings(threads=cfg.threads or len(os.sched_getaffinity(0)),
+                                             ctx_size=cfg.ctx_size),
+                              name="llama-server (probe)", log_dir=Path(tmp), server=server)
+            try:
+                with srv:
+                    srv.generate([1, 2, 3], 4)
+                return fixed
+            except EngineError as e:
+                last = str(e)
+    raise WorkspaceError(f"--target {target}: llama-server cannot serve it: {last}")
+
+
+def init_llamacpp(path: str | Path, *, deployment: str = "smollm2", spec_type: str = "none", prompts: str = "code",
+                  name: str | None = None, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
+                  limits: dict | None = None, bench: dict | None = None) -> Workspace:
+    """Create a workspace whose system is llama.cpp's `llama-server` (built by `make llama-cpp`) on a named
+    deployment: `demo` (the demo target and drafter as bf16 GGUFs) or `smollm2` (SmolLM2-135M-Instruct, Q4_1).
+    Stock runs with speculation off, or with `spec_type`. One request at a time (load batch_sizes = [1])."""
+    from decoder.engines.llamacpp_build import binary, is_built, missing_build_message
+
+    path = Path(path).absolute()
+    _check_new_folder(path)
+    if deployment not in LLAMA_CPP_DEPLOYMENTS:
+        raise WorkspaceError(f"--deployment {deployment}: choose one of {', '.join(LLAMA_CPP_DEPLOYMENTS)}")
+    if prompts not in ("code", "prose"):
+        raise WorkspaceError(f"--prompts {prompts}: the {deployment} deployment has code and prose prompt sets")
+    try:  # one thread, as the demo's: on a shared 2-core machine two spin-waiting threads are up to 30x slower
+        stock = LlamaCppConfig(spec_type=spec_type, threads=1)
+    except ConfigError as e:
+        raise WorkspaceError(f"--spec-type {spec_type}: {str(e).split(': ', 2)[-1]}") from None
+    if not is_built():
+        raise WorkspaceError(missing_build_message())
+    target, drafter, tokenizer, source = _llama_cpp_models(deployment, prompts)
+    if spec_type == "draft-simple" and drafter is None:
+        raise WorkspaceError(f"--spec-type draft-simple: the {deployment} deployment has no draft model GGUF; choose "
+                             f"an n-gram type or none")
+    name = _check_name(name or f"{deployment}-llama.cpp" + ("" if prompts == "code" else f"-{prompts}"))
+    for p in (target, drafter, tokenizer):
+        if p is not None:
+            closed = unreadable_for_sandbox([p])
+            if closed is not None and sandbox_status()[0]:
+                raise WorkspaceError(f"{p}: {closed} is not readable by the sandbox's unprivileged uid; run "
+                                     f"`chmod -R o+rX {p}`")
+    server = binary("llama-server")
+    fixed = _probe_server(server, target, stock)
+    rows = _read_jsonl(source)[:prompt_limit]
+    hidden = max(1, min(len(rows) - 1, round(len(rows) * HIDDEN_FRACTION)))
+    entry = ["{python}", "-m", "decoder.engines.serve_llamacpp", "--server", str(server), "--model", "{target}",
+             *(["--drafter", "{drafter}"] if drafter is not None else []), "--config", "{config}",
+             *(f"--server-flag={f}" for f in fixed)]
+    size_mb = sum(p.stat().st_size for p in (target, drafter) if p is not None) / 2**20
+    cfg = WorkspaceConfig(
+        name=name, target=target, drafter=drafter, tokenizer=tokenizer, dtype="gguf", batch_sizes=[1],
+        entry=entry, protected=list(LLAMA_CPP_PROTECTED), forcing_max_new_tokens=forcing_max_new_tokens,
+        limits={"start_s": 120, "request_s": 120, "memory_mb": max(4096, 2048 + int(4 * size_mb)), "threads": 1,
+                **(limits or {})},
+        bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})},
+        engine="llama.cpp", engine_bin=server.parent)
+    readme = WORKSPACE_README.format(name=name) + LLAMA_CPP_README.format(
+        server=server, target=target, drafter=f" with the draft model `{drafter}`" if drafter else "",
+        spec_type=spec_type, visible=len(rows) - hidden, hidden=hidden, source=f"`{source}`",
+        fixed=" ".join(fixed) or "none")
+    return _create(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=f"llama.cpp on {deployment}",
+                   what=f"llama.cpp workspace ({deployment}, {prompts} prompts, stock spec_type {spec_type})")
+
+
 def read_prompts(path: Path) -> list[dict]:
     """Prompt rows {"id", "text"[, "domain"]} from a JSONL file (.jsonl, .json, .ndjson: a "text" per line,
     optional "id" and "domain") or a plain text file (one prompt per line); at least MIN_PROMPTS."""
@@ -831,8 +966,8 @@ def _entry(*, drafter: bool) -> list[str]:
             *(["--drafter", "{drafter}"] if drafter else []), "--config", "{config}"]
 
 
-def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig, readme: str,
-            label: str, what: str) -> Workspace:
+def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig | LlamaCppConfig,
+            readme: str, label: str, what: str) -> Workspace:
     """Build a workspace in a sibling folder and rename it into place: a failure (a crash, a full disk, a
     read-only folder) leaves nothing behind, not even the parent folders it made."""
     made = None  # the outermost folder this call creates above the workspace
@@ -861,8 +996,8 @@ def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int,
     return ws
 
 
-def _build(path: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig, readme: str,
-           label: str) -> None:
+def _build(path: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig | LlamaCppConfig,
+           readme: str, label: str) -> None:
     """The workspace's files and its first commit (tag `stock`) in `path`, an empty folder."""
     _copy_package(Path(decoder.__file__).parent, path / "decoder")
     _copy_package(Path(kernels.__file__).parent, path / "kernels")

@@ -16,7 +16,15 @@ from workbench.cli_util import fail, quiet_transformers, run_group
 from workbench.export import export, record_mechanism
 from workbench.forcing import force, format_report
 from workbench.harness import SystemCrash
-from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo, init_target
+from workbench.workspace import (
+    LLAMA_CPP_DEPLOYMENTS,
+    Workspace,
+    WorkspaceError,
+    default_demo_path,
+    init_demo,
+    init_llamacpp,
+    init_target,
+)
 
 EXIT_MISMATCH, EXIT_CRASH = 1, 3
 
@@ -68,7 +76,35 @@ def _init_hybrid_demo(args: argparse.Namespace) -> int:
     return _created(ws, "hybrid demo workspace", args.json)
 
 
+def _init_llamacpp(args: argparse.Namespace) -> int:
+    """`init --engine llama.cpp --deployment demo|smollm2 [PATH]`: llama-server as the workspace's system."""
+    if args.target is not None or args.drafter is not None:
+        return fail("init --engine llama.cpp takes --deployment demo|smollm2, not --target/--drafter")
+    if args.batch_sizes not in (None, "1"):
+        return fail(f"init --engine llama.cpp: --batch-sizes {args.batch_sizes}: the llama.cpp system serves one "
+                    f"request at a time for now; leave --batch-sizes out")
+    if args.path is not None:
+        return fail("init --engine llama.cpp takes one PATH, the folder to create: `specpilot init --engine llama.cpp "
+                    "--deployment smollm2 PATH`")
+    deployment = args.deployment or "smollm2"
+    name = args.name or f"{deployment}-llama.cpp" + ("" if args.prompts in (None, "code") else f"-{args.prompts}")
+    path = Path(args.what) if args.what else default_demo_path().with_name(name)
+    quiet_transformers()
+    try:
+        ws = init_llamacpp(path, deployment=deployment, spec_type=args.spec_type or "none",
+                           prompts=args.prompts or "code", name=name)
+    except _errors() as e:
+        return fail(str(e))
+    return _created(ws, f"llama.cpp workspace ({deployment})", args.json)
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
+    if args.engine not in (None, "torch", "llama.cpp"):
+        return fail(f"init: --engine {args.engine}: choose torch (SpecPilot's decoder, the default) or llama.cpp")
+    if args.engine == "llama.cpp":
+        return _init_llamacpp(args)
+    if args.deployment is not None or args.spec_type is not None:
+        return fail("init: --deployment and --spec-type go with --engine llama.cpp")
     if args.target is None and args.drafter is not None:
         return fail("init: --drafter goes with --target: `specpilot init --target DIR --drafter DIR PATH`")
     if args.target is not None:
@@ -184,7 +220,9 @@ def add_parser(sub) -> None:
     i = sub.add_parser("init", help="create a workspace (git repository whose first commit is stock)",
                        usage="specpilot init demo|hybrid-demo [PATH] [--prompts code|prose] [--name NAME] [--json]\n"
                              "       specpilot init --target DIR [--drafter DIR] [--prompts FILE] [--name NAME] "
-                             "[--json] PATH")
+                             "[--json] PATH\n"
+                             "       specpilot init --engine llama.cpp [--deployment demo|smollm2] [--spec-type T] "
+                             "[--prompts code|prose] [--name NAME] [--json] [PATH]")
     i.add_argument("what", nargs="?", metavar="demo | hybrid-demo | PATH",
                    help="demo: the embedded demo deployment; hybrid-demo: a hybrid recurrent target and its "
                         "draft model; with --target: the folder to create")
@@ -201,6 +239,14 @@ def add_parser(sub) -> None:
     i.add_argument("--batch-sizes", metavar="B,B,..",
                    help="the load the deployment serves (default 1): e.g. 1,8 makes the loop time and keep changes "
                         "at one request and at batches of 8 (written as load = {batch_sizes = [1, 8]})")
+    i.add_argument("--engine", metavar="torch|llama.cpp",
+                   help="the system under optimization: torch (SpecPilot's decoder, the default) or llama.cpp "
+                        "(llama-server, built by `make llama-cpp`; its flags are the mechanisms)")
+    i.add_argument("--deployment", metavar="|".join(LLAMA_CPP_DEPLOYMENTS),
+                   help="with --engine llama.cpp: demo (the demo models as bf16 GGUFs) or smollm2 "
+                        "(SmolLM2-135M-Instruct Q4_1; default)")
+    i.add_argument("--spec-type", metavar="T",
+                   help="with --engine llama.cpp: stock's --spec-type (default none: llama.cpp AR), e.g. ngram-simple")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_init)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 
@@ -35,6 +35,7 @@ class Completion:
     seconds: float
     drafted: int = 0
     accepted: int = 0
+    timings: dict = field(default_factory=dict)  # the engine's own account of its phases, where it gives one
 
 
 @dataclass(frozen=True)

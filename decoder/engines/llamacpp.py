@@ -153,8 +153,12 @@ class LlamaServer(Engine):
     """One `llama-server` process serving `model` with the given speculative settings."""
 
     def __init__(self, model: Path, spec: SpecSettings | None = None, settings: ServerSettings | None = None,
-                 name: str | None = None, log_dir: Path | None = None) -> None:
+                 name: str | None = None, log_dir: Path | None = None, *, server: Path | None = None,
+                 unix_socket: Path | None = None) -> None:
         self.model = Path(model)
+        self.server = Path(server) if server is not None else None  # the binary; None: the cache's (make llama-cpp)
+        # Listen on this UNIX socket instead of a TCP port (inside the sandbox, whose loopback is down).
+        self.unix_socket = Path(unix_socket) if unix_socket is not None else None
         self.spec = spec or SpecSettings()
         self.settings = settings or ServerSettings()
         self.name = name or ("llama.cpp-ar" if self.spec.type is None else f"llama.cpp-{self.spec.type}")
@@ -167,11 +171,16 @@ class LlamaServer(Engine):
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     def command(self, port: int) -> list[str]:
-        return [str(binary("llama-server")), "--model", str(self.model), "--host", "127.0.0.1", "--port",
-                str(port), *self.settings.flags(), *self.spec.flags()]
+        where = (["--host", str(self.unix_socket)] if self.unix_socket is not None else
+                 ["--host", "127.0.0.1", "--port", str(port)])
+        return [str(self.server or binary("llama-server")), "--model", str(self.model), *where,
+                *self.settings.flags(), *self.spec.flags()]
 
     def start(self) -> None:
-        require_built()
+        if self.server is None:
+            require_built()
+        elif not os.access(self.server, os.X_OK):
+            raise EngineNotBuilt(f"{self.name}: no llama-server binary at {self.server}; run `make llama-cpp`")
         for path in (self.model, self.spec.draft_model):
             if path is not None and not Path(path).is_file():
                 raise EngineError(f"{self.name}: no model file at {path}; run `make llama-cpp` to convert the demo "
@@ -187,7 +196,9 @@ class LlamaServer(Engine):
 
     def _start_once(self) -> str:
         """Start and wait for health; '' when it answers, else why not (the process is gone then)."""
-        self.port = _free_port()
+        self.port = _free_port() if self.unix_socket is None else None
+        if self.unix_socket is not None:
+            self.unix_socket.unlink(missing_ok=True)
         fd, log = tempfile.mkstemp(prefix=f"specpilot-{self.name}-", suffix=".log", dir=self.log_dir)
         self._log = Path(log)
         cmd = self.command(self.port)
@@ -278,7 +289,11 @@ class LlamaServer(Engine):
         headers = {"Content-Type": "application/json"} if data is not None else {}
         for attempt in (0, 1):
             if self._conn is None:
-                self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+                self._conn = (_UnixHTTPConnection(self.unix_socket, timeout) if self.unix_socket is not None else
+                              http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout))
+            self._conn.timeout = timeout  # a kept connection was made with an earlier call's timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
             try:
                 self._conn.request(method, path, body=data, headers=headers)
                 resp = self._conn.getresponse()
@@ -321,7 +336,7 @@ class LlamaServer(Engine):
         tokens = [int(t) for t in out.get("tokens", [])]  # an end-of-sequence token stays in, as in ours
         timings = out.get("timings") or {}
         return Completion(tokens[:max_new_tokens], seconds, drafted=int(timings.get("draft_n", 0)),
-                          accepted=int(timings.get("draft_n_accepted", 0)))
+                          accepted=int(timings.get("draft_n_accepted", 0)), timings=dict(timings))
 
     def score(self, context: Sequence[int], continuation: Sequence[int] = ()) -> list[Score]:
         scores = []
@@ -330,11 +345,34 @@ class LlamaServer(Engine):
             scores.append(_score_of(out))
         return scores
 
+    def score_fresh(self, context: Sequence[int]) -> Score:
+        """The greedy token and top-2 margin after `context` evaluated from scratch (no cached prefix: the
+        whole context in prompt batches), to set beside `score`'s one-token forwards (a noise floor)."""
+        return _score_of(self._completion(context, 1, n_probs=2, cache_prompt=False))
+
     def tokenize(self, text: str, parse_special: bool = True) -> list[int]:
         """llama.cpp's tokens for `text`: no BOS added; special tokens written in the text are parsed as such
         (as Hugging Face tokenizers do) unless `parse_special` is False."""
         out = self._post("/tokenize", {"content": text, "add_special": False, "parse_special": parse_special})
         return [int(t) for t in out["tokens"]]
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a UNIX socket (llama-server's `--host PATH.sock`)."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 def _score_of(out: dict) -> Score:
@@ -349,6 +387,37 @@ def _score_of(out: dict) -> Score:
     top = first.get("top_logprobs") or []
     margin = float(top[0]["logprob"]) - float(top[1]["logprob"]) if len(top) >= 2 else None
     return Score(int(first["id"]), margin)
+
+
+BENCH_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def bench_widths(model: Path, *, threads: int, depth: int, widths: Sequence[int] = BENCH_WIDTHS, repetitions: int = 3,
+                 extra: Sequence[str] = (), bench: Path | None = None, timeout_s: float = 600.0
+                 ) -> tuple[dict[int, float], dict[int, float]]:
+    """Forward cost of `model` at each width: `llama-bench -p W -n 0 -d DEPTH` (one forward over W tokens after
+    DEPTH tokens of context), mean and standard deviation in ms over `repetitions`. `extra`: the server's fixed
+    flags that llama-bench shares (`--no-repack` becomes `--repack 0`). EngineError (one line) on failure."""
+    exe = Path(bench) if bench is not None else binary("llama-bench")
+    if not os.access(exe, os.X_OK):
+        raise EngineNotBuilt(missing_build_message())
+    flags = ["--repack", "0"] if "--no-repack" in extra else []
+    cmd = [str(exe), "-m", str(model), "-p", ",".join(str(w) for w in widths), "-n", "0", "-d", str(depth),
+           "-t", str(threads), "-r", str(repetitions), "-o", "json", *flags]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"llama-bench did not finish in {timeout_s:.0f} s: {' '.join(cmd)}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise EngineError(f"llama-bench failed ({last[:200]}): {' '.join(cmd)}")
+    try:
+        rows = json.loads(out.stdout)
+        mean = {int(r["n_prompt"]): float(r["avg_ns"]) / 1e6 for r in rows}
+        std = {int(r["n_prompt"]): float(r["stddev_ns"]) / 1e6 for r in rows}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"llama-bench printed no result table ({exc}): {' '.join(cmd)}") from None
+    return mean, std
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from decoder.config import ConfigError, DecodeConfig, dump_table
 from decoder.contract import near_tie_threshold
-from decoder.mechanisms import REGISTRY
+from decoder.mechanisms import CONTRACTS, Contract
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock
@@ -47,13 +47,17 @@ class Candidate:
         return json.dumps(self.cfg.as_dict(), sort_keys=True)
 
 
-def _grid(name: str, rng: random.Random) -> list[dict]:
-    m = REGISTRY[name]
+TORCH = CONTRACTS["torch"]
+SWITCH_OFF = (False, "chain", "bf16", "", "none")  # a key at one of these values has its mechanism switched off
+
+
+def _grid(name: str, rng: random.Random, contract: Contract = TORCH) -> list[dict]:
+    m = contract.registry[name]
     keys = list(m.keys)
     combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(m.keys[k] for k in keys))]
     # With its switch off (verify = "chain", dcut = False, ...), a mechanism's other keys change nothing,
     # and switching it off is not exploring it (a base that has it on would be offered stock again).
-    switches = {k for k, v in m.stock.items() if v in (False, "chain", "bf16", "")}
+    switches = {k for k, v in m.stock.items() if v in SWITCH_OFF}
     combos = [c for c in combos if not any(c[k] == m.stock[k] for k in switches)]
     if len(combos) > MAX_GRID:
         combos = [combos[0], combos[-1], *rng.sample(combos[1:-1], MAX_GRID - 2)]
@@ -62,26 +66,28 @@ def _grid(name: str, rng: random.Random) -> list[dict]:
     return [{**m.requires, **c} for c in combos]
 
 
-def with_requirements(changes: dict) -> dict:
+def with_requirements(changes: dict, contract: Contract = TORCH) -> dict:
     """A change recorded on another deployment's base plus what its mechanisms require: a memory config
     holds only the keys its agent changed (drafter = "mtp"), not those its base already had
     (lean_forward = true), which a different base may lack."""
     req: dict = {}
-    for m in REGISTRY.values():
+    for m in contract.registry.values():
         if any(k in changes and changes[k] != v and changes[k] in m.keys.get(k, ()) for k, v in m.stock.items()):
             req.update(m.requires)
     return {**req, **changes} if changes else {}
 
 
 def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 0,
-               refuse: Callable[[DecodeConfig], str | None] | None = None) -> list[Candidate]:
-    """Memory's configs for the family first, then the registry's mechanisms of the family, on `base`;
-    `refuse` (Workspace.refusal) drops what the deployment's models cannot run."""
+               refuse: Callable[[DecodeConfig], str | None] | None = None,
+               contract: Contract = TORCH) -> list[Candidate]:
+    """Memory's configs for the family first, then the registry's mechanisms of the family, on `base` (a config
+    of `contract`'s class); `refuse` (Workspace.refusal) drops what the deployment's models cannot run."""
+    cls = contract.config
     rng = random.Random(seed)
     out: list[Candidate] = []
     seen = {json.dumps(base.as_dict(), sort_keys=True)}
     proposals: list[tuple[str, dict]] = []
-    confs = [(item.get("name", "?"), with_requirements(item.get("config") or {})) for item in memory]
+    confs = [(item.get("name", "?"), with_requirements(item.get("config") or {}, contract)) for item in memory]
     confs = [(n, c) for n, c in confs if c]
     if len(confs) > 1:  # all of them composed, best-measured first so later ones refine it
         composed: dict = {}
@@ -89,14 +95,14 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
             composed.update(c)
         proposals.append(("memory:" + "+".join(n for n, _ in confs), composed))
     proposals += [(f"memory:{n}", c) for n, c in confs]
-    for name, m in REGISTRY.items():
+    for name, m in contract.registry.items():
         if m.family == family and base.device.split(":")[0] in m.devices:
-            proposals += [(name, c) for c in _grid(name, rng)]
+            proposals += [(name, c) for c in _grid(name, rng, contract)]
     for source, changes in proposals:
-        changes = {k: v for k, v in changes.items() if k in DecodeConfig.__dataclass_fields__
+        changes = {k: v for k, v in changes.items() if k in cls.__dataclass_fields__
                    and k not in ("dtype", "device", "max_new_tokens", "seed")}
         try:
-            cfg = DecodeConfig(**{**base.as_dict(), **changes})
+            cfg = cls(**{**base.as_dict(), **changes})
         except (ConfigError, TypeError):
             continue  # an incompatible combination (e.g. w12 with the lean forward)
         if refuse is not None and refuse(cfg):
@@ -106,7 +112,7 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
                 continue
             changes = {k: v for k, v in changes.items() if k != "lean_forward"}
             try:
-                cfg = DecodeConfig(**{**base.as_dict(), **changes})
+                cfg = cls(**{**base.as_dict(), **changes})
             except (ConfigError, TypeError):
                 continue
             if refuse(cfg):
@@ -118,13 +124,13 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
     return out
 
 
-def mechanism_name(changes: dict) -> str:
+def mechanism_name(changes: dict, contract: Contract = TORCH) -> str:
     """The registry mechanisms a change touches, with the values it set."""
     def touched(m) -> bool:  # one of its defining keys moved to a value of its own
         return any(k in changes and changes[k] != v and changes[k] in m.keys.get(k, (changes[k],))
                    for k, v in m.stock.items())
 
-    names = [n for n, m in REGISTRY.items() if touched(m)]
+    names = [n for n, m in contract.registry.items() if touched(m)]
     vals = ",".join(f"{k}={v}" for k, v in sorted(changes.items()))
     return f"{'+'.join(names) or 'config'}({vals})"
 
@@ -158,17 +164,19 @@ class TunerAgent:
         self.rungs = rungs
         self.min_gain = min_gain
         self.points = list(ws.config.batch_sizes)  # the load's batch sizes: every score covers all of them
+        self.contract = ws.contract  # the config class of system.toml and the registry of what can be set
 
     def run(self, ctx: AgentContext) -> AgentResult:
 
         wt = ctx.worktree
         try:  # from the git object, not the worktree file: every key, the system's own knobs included
             table = self.ws.config_at(self.ws.head(ctx.branch))
-            base = DecodeConfig.from_table(table, known_only=True)
+            base = self.contract.config.from_table(table, known_only=True)
         except (WorkspaceError, ConfigError) as e:
             return AgentResult(False, f"the tuner cannot read the branch's config: {e}")
-        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, self.ws.refusal)
-        schedule_first = ctx.direction.family == "batching" and any(b > 1 for b in self.points) and base.method == "sd"
+        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, self.ws.refusal, self.contract)
+        schedule_first = (ctx.direction.family == "batching" and any(b > 1 for b in self.points) and base.method == "sd"
+                          and "load_schedule" in self.contract.config.__dataclass_fields__)
         if not cands and not schedule_first:
             return AgentResult(False, f"no registered mechanism for {ctx.direction.family} applies on "
                                       f"{base.device} beyond the current config")
@@ -249,8 +257,8 @@ class TunerAgent:
                                details={"history": history})
         win = alive[0]
         # Key by key: the tuner's keys change, keys it does not know stay as the branch had them.
-        (wt / self.ws.config.config_file).write_text(dump_table({**table, **win.cfg.as_dict()}))
-        name = mechanism_name(win.changes)
+        (wt / self.ws.config.config_file).write_text(dump_table({**table, **win.cfg.as_dict()}, self.contract.config))
+        name = mechanism_name(win.changes, self.contract)
         g = self.ws.worktree_git(ctx.branch)
         g.add(self.ws.config.config_file)
         g.commit("-q", "-m", f"tuner ({ctx.direction.family}): {name}\n\n{ratio:.3f}x the current config on the "

@@ -19,7 +19,6 @@ from typing import Any
 
 import git
 
-from decoder.config import DecodeConfig
 from store import Event, ForcingReport, Mechanism
 from store.migrations import GAP_FAMILIES
 from workbench.agents.base import AgentResult, Direction
@@ -340,10 +339,11 @@ def directions_for_launch(ws: Workspace) -> tuple[list[LaunchChoice], str | None
     repo = git.Repo(ws.path)
     base = BASE_BRANCH if BASE_BRANCH in repo.heads else ws.stock_commit
     try:  # the keys the tuner knows; a base with the system's own keys still counts its candidates
-        cfg = DecodeConfig.from_table(ws.config_at(base), known_only=True)
+        cfg = ws.contract.config.from_table(ws.config_at(base), known_only=True)
     except (WorkspaceError, ValueError):
         cfg = None
-    out = [LaunchChoice(fam, ms, len(candidates(cfg, fam, [], refuse=ws.refusal)) if cfg is not None else 0)
+    out = [LaunchChoice(fam, ms, len(candidates(cfg, fam, [], refuse=ws.refusal, contract=ws.contract))
+                        if cfg is not None else 0)
            for fam, ms in order]
     try:
         llm_config(ws)

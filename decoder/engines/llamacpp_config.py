@@ -1,0 +1,160 @@
+"""The config contract of a llama.cpp system: `llama-server`'s flags as the keys of a workspace's `system.toml`.
+
+A llama.cpp workspace (`specpilot init --engine llama.cpp`) runs `llama-server` behind the harness's
+JSON-lines protocol (`decoder/engines/serve_llamacpp.py`). What the tuner may change is this config,
+one key per server flag, with the same reader and writer as `DecodeConfig` (a `[decode]` table; a key
+this schema does not know passes through to the system's own code). The registry of what the tuner
+composes is `decoder/engines/llamacpp_mechanisms.toml` (read by `decoder.mechanisms.load_registry`).
+
+0 in an integer key means "llama-server's own default" (the flag is not passed): every default of
+stock is the engine's, so stock is llama.cpp as a user starts it, with speculation off unless `init
+--spec-type` set it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from decoder.config import ConfigError, dump_table, read_table
+
+SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
+NGRAM_SIZED = ("ngram-simple", "ngram-map-k", "ngram-map-k4v")  # the types with --spec-<type>-size-n/-m/-min-hits
+FLASH_ATTN = ("auto", "on", "off")
+MAX_THREADS = 256
+
+
+@dataclass
+class LlamaCppConfig:
+    spec_type: str = "none"  # llama-server --spec-type; "none": no speculation (llama.cpp AR)
+    draft_n_max: int = 0  # --spec-draft-n-max: tokens drafted per step (0: the engine's default, 3)
+    draft_n_min: int = 0  # --spec-draft-n-min
+    draft_p_min: float = 0.0  # --spec-draft-p-min: a draft-model token below this probability ends the draft
+    ngram_size_n: int = 0  # --spec-<type>-size-n: the lookup length of an n-gram type (0: default)
+    ngram_size_m: int = 0  # --spec-<type>-size-m: the draft length of an n-gram type (0: default)
+    ngram_min_hits: int = 0  # --spec-<type>-min-hits (0: default, 1)
+    threads: int = 0  # --threads and --threads-batch (0: all cores, the engine's default)
+    batch_size: int = 0  # --batch-size, the logical batch (0: default 2048)
+    ubatch_size: int = 0  # --ubatch-size, the physical batch (0: default 512)
+    flash_attn: str = "auto"  # --flash-attn on|off|auto
+    poll: int = -1  # --poll 0..100: how hard idle threads spin for work (-1: default, 50)
+    ctx_size: int = 4096  # --ctx-size: prompt + output tokens one request may hold
+    device: str = "cpu"  # where the server runs (the tuner's device filter); CPU builds only for now
+    dtype: str = "gguf"  # the weights are the GGUF file's; fixed
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(key: str, fix: str) -> ConfigError:
+            return ConfigError(f"llama.cpp config: {key} = {getattr(self, key)!r}: {fix}")
+
+        if self.spec_type not in SPEC_TYPES:
+            raise bad("spec_type", f"choose one of {', '.join(SPEC_TYPES)}")
+        for key, top in (("draft_n_max", 64), ("draft_n_min", 64), ("ngram_size_n", 64), ("ngram_size_m", 64),
+                         ("ngram_min_hits", 64), ("threads", MAX_THREADS), ("batch_size", 1 << 16),
+                         ("ubatch_size", 1 << 16)):
+            if not 0 <= getattr(self, key) <= top:
+                raise bad(key, f"use 0 (the engine's default) to {top}")
+        if self.draft_n_max and self.draft_n_min > self.draft_n_max:
+            raise bad("draft_n_min", f"must not exceed draft_n_max = {self.draft_n_max}")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise bad("draft_p_min", "use a probability from 0.0 to 1.0")
+        if self.flash_attn not in FLASH_ATTN:
+            raise bad("flash_attn", f"choose one of {', '.join(FLASH_ATTN)}")
+        if not (self.poll == -1 or 0 <= self.poll <= 100):
+            raise bad("poll", "use -1 (the engine's default) or 0 to 100")
+        if not 64 <= self.ctx_size <= 1 << 20:
+            raise bad("ctx_size", "use 64 to 1048576 tokens")
+        if self.batch_size and self.ubatch_size and self.ubatch_size > self.batch_size:
+            raise bad("ubatch_size", f"must not exceed batch_size = {self.batch_size}")
+        if self.device != "cpu":
+            raise bad("device", "this llama.cpp build runs on the CPU; use cpu")
+        if self.dtype != "gguf":
+            raise bad("dtype", "the weights are the GGUF file's; use gguf")
+
+    @property
+    def method(self) -> str:
+        """"sd" when the server speculates, as DecodeConfig names it (the loop's AR reference sets spec_type none)."""
+        return "ar" if self.spec_type == "none" else "sd"
+
+    def verify_width(self) -> int:
+        """Tokens one verify forward may hold: 1 + the most this config drafts per step (the engine's defaults:
+        draft_n_max 3, n-gram size_m 48, ngram-mod n_max 64)."""
+        if self.spec_type == "none":
+            return 1
+        if self.spec_type in NGRAM_SIZED:
+            return 1 + (self.ngram_size_m or 48)
+        return 1 + (self.draft_n_max or (64 if self.spec_type == "ngram-mod" else 3))
+
+    def spec_flags(self, drafter: Path | None) -> list[str]:
+        """llama-server's speculative flags for this config (`drafter`: the draft model's GGUF, for draft-simple)."""
+        if self.spec_type == "none":
+            return []
+        out = ["--spec-type", self.spec_type]
+        if self.spec_type == "draft-simple":
+            if drafter is None:
+                raise ConfigError("llama.cpp config: spec_type = 'draft-simple' needs a draft model; this workspace "
+                                  "has none (choose an n-gram type)")
+            out += ["--spec-draft-model", str(drafter)]
+        for key, flag in (("draft_n_max", "--spec-draft-n-max"), ("draft_n_min", "--spec-draft-n-min")):
+            if getattr(self, key):
+                out += [flag, str(getattr(self, key))]
+        if self.draft_p_min:
+            out += ["--spec-draft-p-min", repr(self.draft_p_min)]
+        if self.spec_type in NGRAM_SIZED:
+            for key, suffix in (("ngram_size_n", "size-n"), ("ngram_size_m", "size-m"), ("ngram_min_hits", "min-hits")):
+                if getattr(self, key):
+                    out += [f"--spec-{self.spec_type}-{suffix}", str(getattr(self, key))]
+        return out
+
+    def server_flags(self) -> list[str]:
+        """Everything else: threads, batches, attention, polling and context."""
+        out = ["--ctx-size", str(self.ctx_size), "--flash-attn", self.flash_attn]
+        if self.threads:
+            out += ["--threads", str(self.threads), "--threads-batch", str(self.threads)]
+        if self.batch_size:
+            out += ["--batch-size", str(self.batch_size)]
+        if self.ubatch_size:
+            out += ["--ubatch-size", str(self.ubatch_size)]
+        if self.poll >= 0:
+            out += ["--poll", str(self.poll)]
+        return out
+
+    def to_toml(self) -> str:
+        return dump_table(asdict(self), LlamaCppConfig)
+
+    @classmethod
+    def from_table(cls, table: dict, known_only: bool = False) -> LlamaCppConfig:
+        """A config from a [decode] table (`known_only`: drop keys this schema does not know, else refuse them)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(table) - known)
+        if unknown and not known_only:
+            raise ConfigError(f"llama.cpp config: unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        default = cls()
+        kwargs = {}
+        for k, v in table.items():
+            if k not in known:
+                continue
+            want = getattr(default, k)
+            if isinstance(want, float) and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if type(v) is not type(want):
+                raise ConfigError(f"llama.cpp config: {k} = {v!r} should be of type {type(want).__name__}")
+            kwargs[k] = v
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, text: str, known_only: bool = False) -> LlamaCppConfig:
+        return cls.from_table(read_table(text), known_only)
+
+    @classmethod
+    def load(cls, path: Path) -> LlamaCppConfig:
+        return cls.from_toml(Path(path).read_text())
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+    def as_dict(self) -> dict:
+        return asdict(self)

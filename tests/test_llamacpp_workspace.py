@@ -1,0 +1,227 @@
+"""llama.cpp as a workspace's system (issue #19): its config contract, registry, cost model by width, and the
+adapter under the real harness and sandbox.
+
+The contract and cost-model tests need nothing built. The system tests run the real `llama-server` built by
+`make llama-cpp` on the demo's GGUFs, inside the sandbox, and are skipped in one line when it is not built."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from costmodel.widths import WidthProfile, width_gaps
+from decoder.config import ConfigError
+from decoder.engines import llamacpp_build as build
+from decoder.engines.llamacpp_config import LlamaCppConfig
+from decoder.mechanisms import LLAMA_CPP_REGISTRY, contract_for
+from decoder.stats import MethodEntry
+from workbench.agents.tuner import candidates, mechanism_name
+from workbench.cli import main
+
+ENGINES = build.engines_root()  # the user's engine cache, read before conftest gives each test a private data dir
+
+
+@pytest.fixture(autouse=True)
+def _real_engines(monkeypatch):
+    monkeypatch.setenv("SPECPILOT_ENGINES_DIR", str(ENGINES))
+
+
+def _engine_ready() -> bool:
+    return build.is_built() and all(build.gguf_path(m, "bf16").is_file() for m in build.DEMO_MODELS)
+
+
+needs_llamacpp = pytest.mark.skipif(not _engine_ready(), reason="llama.cpp is not built (run `make llama-cpp`)")
+
+
+# -- the config contract ---------------------------------------------------------------------------------------
+
+
+def test_stock_passes_no_speculative_flag_and_defaults_stay_the_engines():
+    cfg = LlamaCppConfig()
+    assert cfg.spec_flags(None) == [] and cfg.method == "ar" and cfg.verify_width() == 1
+    assert cfg.server_flags() == ["--ctx-size", "4096", "--flash-attn", "auto"]  # 0 = not passed
+    ng = LlamaCppConfig(spec_type="ngram-simple", ngram_size_n=3, ngram_size_m=8, threads=2)
+    assert ng.spec_flags(None) == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                   "--spec-ngram-simple-size-m", "8"]
+    assert ng.verify_width() == 9 and ng.method == "sd"
+    assert "--threads" in ng.server_flags()
+    dm = LlamaCppConfig(spec_type="draft-simple", draft_n_max=4, draft_p_min=0.75)
+    assert dm.spec_flags(Path("/m/d.gguf")) == ["--spec-type", "draft-simple", "--spec-draft-model", "/m/d.gguf",
+                                                 "--spec-draft-n-max", "4", "--spec-draft-p-min", "0.75"]
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        dm.spec_flags(None)
+
+
+@pytest.mark.parametrize("table, words", [
+    ({"spec_type": "eagle9"}, "spec_type = 'eagle9': choose one of none"),
+    ({"threads": -1}, "threads = -1: use 0"),
+    ({"draft_p_min": 1.5}, "draft_p_min = 1.5"),
+    ({"draft_n_max": 2, "draft_n_min": 3}, "must not exceed draft_n_max = 2"),
+    ({"flash_attn": "yes"}, "flash_attn = 'yes'"),
+    ({"threads": "2"}, "threads = '2' should be of type int"),
+    ({"bogus": 1}, "unknown key(s) bogus"),
+])
+def test_a_bad_config_value_is_one_line_naming_it(table, words):
+    with pytest.raises(ConfigError) as e:
+        LlamaCppConfig.from_table(table)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_round_trips_through_toml_in_schema_order(tmp_path):
+    cfg = LlamaCppConfig(spec_type="ngram-map-k", ngram_min_hits=2, poll=0)
+    cfg.save(tmp_path / "system.toml")
+    text = (tmp_path / "system.toml").read_text()
+    assert text.splitlines()[:2] == ["[decode]", 'spec_type = "ngram-map-k"']
+    assert LlamaCppConfig.load(tmp_path / "system.toml") == cfg
+
+
+def test_every_registry_value_is_a_valid_config_and_the_tuner_builds_candidates_from_them():
+    for m in LLAMA_CPP_REGISTRY.values():
+        for key, values in m.keys.items():
+            for v in values:
+                LlamaCppConfig(**{**m.requires, key: v})  # no ConfigError
+    c = contract_for("llama.cpp")
+    base = LlamaCppConfig(threads=1)
+    drafting = candidates(base, "drafting", [], contract=c,
+                          refuse=lambda cfg: "no drafter" if cfg.spec_type == "draft-simple" else None)
+    assert drafting and all(isinstance(x.cfg, LlamaCppConfig) for x in drafting)
+    assert {x.cfg.spec_type for x in drafting} == {"ngram-simple", "ngram-map-k", "ngram-mod"}
+    assert drafting[0].changes == {"spec_type": "ngram-simple"}  # the switch alone first: the engine's defaults
+    host = candidates(base, "host-overhead", [], contract=c)
+    assert {"threads"} <= {k for x in host for k in x.changes}
+    assert all(x.cfg.threads != 1 or x.changes for x in host)
+    assert mechanism_name({"spec_type": "ngram-mod", "draft_n_max": 8}, c).startswith("llama-ngram-mod(")
+    with pytest.raises(ValueError, match="choose one of torch, llama.cpp"):
+        contract_for("vllm")
+
+
+# -- the cost model by width -------------------------------------------------------------------------------------
+
+
+def test_width_profile_interpolates_and_finds_the_oracle_width():
+    p = WidthProfile("t", {1: 10.0, 2: 12.0, 4: 30.0, 8: 32.0, 16: 64.0})
+    assert p.cost(1) == 10.0 and p.cost(3) == pytest.approx(21.0) and p.cost(32) == pytest.approx(128.0)
+    best, width = p.oracle(16)
+    assert width == 8 and best == pytest.approx(8 * 10 / 32)
+    assert p.oracle(1) == (1.0, 1) and p.oracle(2)[0] == pytest.approx(20 / 12)
+    with pytest.raises(ValueError, match="width 1"):
+        WidthProfile("bad", {2: 3.0})
+    assert WidthProfile.from_dict(json.loads(json.dumps(p.as_dict()))) == p
+
+
+def test_width_gaps_add_up_to_the_measured_time_and_price_the_verify_width():
+    p = WidthProfile("t", {1: 10.0, 2: 12.0, 4: 30.0, 8: 32.0, 16: 64.0})
+    # 2 prompts, 100 tokens, 60 decode forwards + 2 prefill; acceptance 0.5, tau 100/60: width 1 + (2/3)/0.5
+    e = MethodEntry(name="base", tokens_per_s=1000.0 / 15.0, tau=100 / 60, draft_len=3, target_forwards=62,
+                    new_tokens=100, acceptance_rate=0.5,
+                    phase_ms_per_token={"prefill": 1.0, "draft": 0.0, "verify": 12.0, "accept": 0.0, "other": 0.0})
+    bd = width_gaps(e.as_dict(), p, num_prompts=2)
+    assert bd.components_sum == pytest.approx(15.0)
+    parts = {g.name: g.ms_per_token for g in bd.components}
+    width = 1 + (100 / 60 - 1) / 0.5
+    assert parts["one-token forwards (weight reads)"] == pytest.approx(0.6 * 10.0)
+    assert parts["verify width beyond one token"] == pytest.approx(0.6 * (p.cost(width) - 10.0))
+    assert parts["server, HTTP and adapter"] == pytest.approx(2.0)
+    assert bd.acceptance_gap.family == "drafting" and bd.acceptance_gap.ms_per_token == pytest.approx(12.0 - 4.0)
+    fams = bd.as_dict()["families"]
+    assert math.isclose(sum(fams.values()), 15.0 + bd.acceptance_gap.ms_per_token, rel_tol=1e-6)
+
+
+# -- the system under the harness (real llama-server, real sandbox) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_ws(tmp_path_factory):
+    if not _engine_ready():
+        pytest.skip("llama.cpp is not built (run `make llama-cpp`)")
+    from workbench.workspace import init_llamacpp
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECPILOT_ENGINES_DIR", str(ENGINES))
+    try:
+        ws = init_llamacpp(tmp_path_factory.mktemp("lc") / "ws", deployment="demo", prompt_limit=4,
+                           forcing_max_new_tokens=24)
+    finally:
+        mp.undo()
+    return ws
+
+
+@needs_llamacpp
+def test_init_writes_a_llamacpp_workspace(demo_ws):
+    c = demo_ws.config
+    assert c.engine == "llama.cpp" and c.engine_bin == build.binary("llama-server").parent
+    assert c.target == build.gguf_path("target", "bf16") and c.batch_sizes == [1]
+    assert LlamaCppConfig.load(demo_ws.path / "system.toml") == LlamaCppConfig(threads=1)
+    assert "decoder/engines/serve_llamacpp.py" in c.protected
+    assert demo_ws.contract.config is LlamaCppConfig
+
+
+@needs_llamacpp
+def test_the_system_runs_in_the_sandbox_serves_overrides_and_refuses_batches(demo_ws):
+    from decoder.engines.llamacpp import LlamaServer, ServerSettings
+    from workbench.forcing import run_system
+    from workbench.harness import SystemCrash
+
+    prompt = [int(t) for t in range(5, 40)]
+    with LlamaServer(demo_ws.config.target, settings=ServerSettings(threads=1)) as direct:
+        want = direct.generate(prompt, 16).tokens
+    with run_system(demo_ws, demo_ws.path, "test") as sp:
+        assert sp.generate(prompt, 16).tokens == want
+        prof = sp.generate(prompt, 16, profile=True)
+        assert prof.stats["new_tokens"] == 16 and prof.stats["phase_s"]["verify"] > 0
+        ng = sp.generate(prompt, 16, config={"spec_type": "ngram-simple", "ngram_size_n": 2})
+        assert len(ng.tokens) == 16
+        with pytest.raises(SystemCrash, match="one request at a time"):
+            sp.generate_batch([prompt, prompt], 4)
+
+
+@needs_llamacpp
+def test_stock_forces_clean_with_llamacpps_own_margins(demo_ws):
+    from workbench.forcing import force, stock_reference
+
+    ref = stock_reference(demo_ws, progress=False)
+    assert ref["noise_floor"] >= 0.0
+    for row in ref["prompts"]:
+        assert len(row["margins"]) == len(row["stock"]) and all(m >= 0 for m in row["margins"])
+    b = demo_ws.create_branch("ngram")  # llama.cpp's own speculation, forced token by token against its AR
+    wt = Path(b.worktree_path)
+    LlamaCppConfig(spec_type="ngram-simple", ngram_size_n=2, threads=1).save(wt / "system.toml")
+    g = demo_ws.worktree_git("ngram")
+    g.add("system.toml")
+    g.commit("-q", "-m", "ngram-simple")
+    r = force(demo_ws, "ngram", progress=False, record=False)
+    assert r["status"] == "keep", r["reason"]
+
+
+@needs_llamacpp
+def test_a_candidate_editing_the_adapter_is_refused_before_it_runs(demo_ws):
+    b = demo_ws.create_branch("adapter")
+    path = Path(b.worktree_path) / "decoder" / "engines" / "serve_llamacpp.py"
+    path.write_text(path.read_text().replace("MAX_SERVERS = 2", "MAX_SERVERS = 3"))
+    g = demo_ws.worktree_git("adapter")
+    g.add("-A")
+    g.commit("-q", "-m", "touch the protocol entry")
+    assert "decoder/engines/serve_llamacpp.py" in (demo_ws.guard("adapter") or "")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--deployment", "mars"], "--deployment mars: choose one of demo, smollm2"),
+    (["--spec-type", "eagle9"], "--spec-type eagle9: choose one of none"),
+    (["--batch-sizes", "1,8"], "serves one request at a time"),
+    (["--target", "/x"], "not --target/--drafter"),
+])
+def test_init_llamacpp_bad_values_are_one_line_exit_2(argv, words, tmp_path, capsys):
+    rc = main(["init", "--engine", "llama.cpp", *argv, str(tmp_path / "ws")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and words in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "ws").exists()
+
+
+def test_init_engine_and_deployment_flags_are_checked(tmp_path, capsys):
+    assert main(["init", "--engine", "vllm", str(tmp_path / "a")]) == 2
+    assert "--engine vllm: choose torch" in capsys.readouterr().err
+    assert main(["init", "demo", str(tmp_path / "b"), "--deployment", "smollm2"]) == 2
+    assert "go with --engine llama.cpp" in capsys.readouterr().err
