@@ -4,8 +4,10 @@ For an engine whose kernels we do not model op by op (llama.cpp), the roofline's
 step cost if the drafts were free and always right) is answered from measurements instead: the forward
 cost at each verify width (`llama-bench -p W -n 0 -d CONTEXT`, decoder/engines/llamacpp.py:bench_widths).
 
-- The oracle ceiling at width w: every step yields w tokens at the cost of one w-wide forward, so the
-  speedup over AR is w * c(1) / c(w); the ceiling is the best of it over widths 2..w.
+- The oracle at width w: every step yields w tokens at the cost of one w-wide forward, so the speedup
+  over AR is w * c(1) / c(w), the best of it over widths 2..w. The plausibility ceiling multiplies it by
+  c(1) / roofline(1) (the weights' bytes over the machine's memory bandwidth): engine changes that are not
+  speculation (threads, kernels) may make one forward that much cheaper, and no more.
 - The gaps of a measured run (`width_gaps`): its time per generated token split into parts that add up
   to it exactly: prefill (family compute), one-token forwards (weights: the floor every step pays), the
   extra cost of the verify width (compute: what cheaper small-batch kernels would save), the engine's
@@ -32,6 +34,7 @@ class WidthProfile:
     ms: dict[int, float]  # width -> ms per forward (at the context depth in `measured`)
     source: str = "llama-bench"
     measured: dict = field(default_factory=dict)  # measured_at, load_avg, depth, threads, stddev_ms
+    roofline_ms: float | None = None  # one forward's weight bytes over the machine's memory bandwidth
 
     def __post_init__(self) -> None:
         if 1 not in self.ms or any(w < 1 or v <= 0 for w, v in self.ms.items()):
@@ -61,22 +64,30 @@ class WidthProfile:
                 best = (r, w)
         return best
 
+    def ceiling(self, max_width: int) -> float:
+        """The plausibility ceiling over AR: the oracle at widths up to `max_width` on the measured costs, times
+        how far one forward may still fall to its roofline (threads, kernels: engine changes that are not
+        speculation); the measured oracle alone when no roofline is known."""
+        headroom = max(1.0, self.ms[1] / self.roofline_ms) if self.roofline_ms else 1.0
+        return self.oracle(max_width)[0] * headroom
+
     def as_dict(self) -> dict:
         return {"name": self.name, "ms": {str(w): round(v, 4) for w, v in sorted(self.ms.items())},
-                "source": self.source, "measured": self.measured}
+                "source": self.source, "measured": self.measured, "roofline_ms": self.roofline_ms}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> WidthProfile:
         return cls(str(d["name"]), {int(w): float(v) for w, v in dict(d["ms"]).items()}, str(d.get("source", "")),
-                   dict(d.get("measured") or {}))
+                   dict(d.get("measured") or {}), float(d["roofline_ms"]) if d.get("roofline_ms") else None)
 
 
-def measured_profile(name: str, ms: dict[int, float], **measured: object) -> WidthProfile:
+def measured_profile(name: str, ms: dict[int, float], roofline_ms: float | None = None,
+                     **measured: object) -> WidthProfile:
     """A profile measured now (the time and the load average recorded beside the figures)."""
     import os
 
     return WidthProfile(name, ms, "llama-bench", {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                                  "load_avg": round(os.getloadavg()[0], 2), **measured})
+                                                  "load_avg": round(os.getloadavg()[0], 2), **measured}, roofline_ms)
 
 
 def width_gaps(entry: Mapping, profile: WidthProfile, num_prompts: int) -> GapBreakdown:

@@ -110,6 +110,11 @@ def test_width_profile_interpolates_and_finds_the_oracle_width():
     with pytest.raises(ValueError, match="width 1"):
         WidthProfile("bad", {2: 3.0})
     assert WidthProfile.from_dict(json.loads(json.dumps(p.as_dict()))) == p
+    # The plausibility ceiling leaves room for engine changes down to the roofline of one forward, no more.
+    roofed = WidthProfile("t", p.ms, roofline_ms=4.0)
+    assert p.ceiling(16) == pytest.approx(best) and roofed.ceiling(16) == pytest.approx(best * 10.0 / 4.0)
+    assert WidthProfile("t", p.ms, roofline_ms=20.0).ceiling(16) == pytest.approx(best)  # never below the oracle
+    assert WidthProfile.from_dict(json.loads(json.dumps(roofed.as_dict()))) == roofed
 
 
 def test_width_gaps_add_up_to_the_measured_time_and_price_the_verify_width():

@@ -62,12 +62,35 @@ def width_profile(ws: Workspace, say: Say) -> WidthProfile:
         mean, std = bench_widths(ws.config.target, threads=threads, depth=depth, extra=fixed, bench=bench)
     except EngineError as e:
         raise WorkspaceError(f"the llama.cpp cost model: {e}") from None
-    prof = measured_profile(f"llama.cpp {ws.config.target.name}, {threads} thread(s)", mean, threads=threads,
-                            depth=depth, stddev_ms={str(w): round(v, 4) for w, v in std.items()})
+    bandwidth, how = _memory_bandwidth()
+    roofline = ws.config.target.stat().st_size / (bandwidth * 1e9) * 1e3
+    prof = measured_profile(f"llama.cpp {ws.config.target.name}, {threads} thread(s)", mean, roofline, threads=threads,
+                            depth=depth, stddev_ms={str(w): round(v, 4) for w, v in std.items()},
+                            bandwidth_GBps=round(bandwidth, 3), bandwidth_source=how)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "profile": prof.as_dict()}))
     os.replace(tmp, path)
     return prof
+
+
+def _memory_bandwidth() -> tuple[float, str]:
+    """This machine's memory bandwidth in GB/s: the stored cpu-local profile's, else a copy measured now (the
+    best of 5 copies of 256 MiB, bytes read plus written)."""
+    try:
+        hw = get_profile(LOCAL)
+        return hw.mem_bandwidth_GBps, f"the {LOCAL} profile ({hw.source})"
+    except HardwareError:
+        pass
+    import numpy as np
+
+    a = np.ones(2**25, dtype=np.float64)  # 256 MiB
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9, "a 256 MiB copy measured now"
 
 
 def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile | WidthProfile:
@@ -103,7 +126,7 @@ def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile | WidthProfile:
 def oracle_ceiling(ws: Workspace, hw: HardwareProfile | WidthProfile, draft_len: int) -> float:
     """The highest lossless speedup over AR the cost model allows at `draft_len` (every draft accepted)."""
     if isinstance(hw, WidthProfile):
-        return hw.oracle(draft_len + 1)[0]
+        return hw.ceiling(draft_len + 1)
     c = ws.config
     drafter = Drafter("model", load_model_profile(c.drafter)) if c.drafter else Drafter("ngram", None)
     k = max(1, min(draft_len, MAX_ORACLE_DRAFT_LEN))
@@ -127,8 +150,10 @@ def plausibility_ceiling(ws: Workspace, hw: HardwareProfile | WidthProfile, say:
     value = oracle_ceiling(ws, hw, k)
     if isinstance(hw, WidthProfile):
         costs = ", ".join(f"w{w} {v:.1f}" for w, v in sorted(hw.ms.items()))
-        say(f"plausibility ceiling {value:.2f}x over AR at width {k + 1}, from llama.cpp's measured forward costs "
-            f"(ms: {costs}; load {hw.measured.get('load_avg')})", "loop.ceiling",
+        roof = f"{hw.roofline_ms:.1f}" if hw.roofline_ms else "unknown"
+        say(f"plausibility ceiling {value:.2f}x over AR at width {k + 1}: the oracle on llama.cpp's measured forward "
+            f"costs (ms: {costs}; load {hw.measured.get('load_avg')}) times one forward's room down to its roofline "
+            f"({roof} ms)", "loop.ceiling",
             {"ceiling": value, "draft_len": k, "hardware": hw.name, "source": hw.source, **hw.measured,
              "width_ms": hw.as_dict()["ms"], "reliable": True})
         return value
