@@ -53,6 +53,11 @@ def test_stock_passes_no_speculative_flag_and_defaults_stay_the_engines():
                                                  "--spec-draft-n-max", "4", "--spec-draft-p-min", "0.75"]
     with pytest.raises(ConfigError, match="needs a draft model"):
         dm.spec_flags(None)
+    # ngram-mod reads bounds and a lookup length of its own; --spec-draft-n-* would be silently ignored
+    mod = LlamaCppConfig(spec_type="ngram-mod", draft_n_max=16, draft_n_min=4, ngram_size_n=12)
+    assert mod.spec_flags(None) == ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", "16",
+                                    "--spec-ngram-mod-n-min", "4", "--spec-ngram-mod-n-match", "12"]
+    assert mod.verify_width() == 17 and LlamaCppConfig(spec_type="ngram-mod").verify_width() == 65
 
 
 @pytest.mark.parametrize("table, words", [
@@ -230,3 +235,22 @@ def test_init_engine_and_deployment_flags_are_checked(tmp_path, capsys):
     assert "--engine vllm: choose torch" in capsys.readouterr().err
     assert main(["init", "demo", str(tmp_path / "b"), "--deployment", "smollm2"]) == 2
     assert "go with --engine llama.cpp" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_one_loop_round_on_a_llamacpp_workspace(tmp_path, monkeypatch):
+    """The loop end to end on llama-server: stock and AR measured, width gaps, the tuner on llama.cpp's flags,
+    every attempt forced and timed by the harness; whatever it keeps is lossless and recorded once."""
+    from workbench.loop import Loop, LoopOptions
+    from workbench.workspace import init_llamacpp
+
+    ws = init_llamacpp(tmp_path / "ws", deployment="demo", prompt_limit=8, forcing_max_new_tokens=32)
+    summary = Loop(ws, LoopOptions(rounds=1, agents=2, budget_minutes=25, use_global_memory=False)).run()
+    rounds = summary["rounds"]
+    assert rounds and rounds[0]["attempts"], summary
+    assert {a["status"] for a in rounds[0]["attempts"]} <= {"keep", "discard", "crash", "rejected"}
+    assert 0.9 < summary["stock_speedup"] < 1.1  # stock is llama.cpp AR: the AR reference against itself
+    gaps = json.loads(next((ws.state / "gaps").glob("*.json")).read_text())["breakdown"]
+    assert {"weights", "compute", "host-overhead", "drafting"} <= set(gaps["families"])
+    assert (ws.state / "widths.json").exists()

@@ -27,10 +27,10 @@ MAX_THREADS = 256
 @dataclass
 class LlamaCppConfig:
     spec_type: str = "none"  # llama-server --spec-type; "none": no speculation (llama.cpp AR)
-    draft_n_max: int = 0  # --spec-draft-n-max: tokens drafted per step (0: the engine's default, 3)
-    draft_n_min: int = 0  # --spec-draft-n-min
+    draft_n_max: int = 0  # --spec-draft-n-max (ngram-mod: --spec-ngram-mod-n-max): most tokens drafted per step
+    draft_n_min: int = 0  # --spec-draft-n-min (ngram-mod: --spec-ngram-mod-n-min: a shorter match drafts nothing)
     draft_p_min: float = 0.0  # --spec-draft-p-min: a draft-model token below this probability ends the draft
-    ngram_size_n: int = 0  # --spec-<type>-size-n: the lookup length of an n-gram type (0: default)
+    ngram_size_n: int = 0  # --spec-<type>-size-n (ngram-mod: --spec-ngram-mod-n-match): the lookup length
     ngram_size_m: int = 0  # --spec-<type>-size-m: the draft length of an n-gram type (0: default)
     ngram_min_hits: int = 0  # --spec-<type>-min-hits (0: default, 1)
     threads: int = 0  # --threads and --threads-batch (0: all cores, the engine's default)
@@ -97,7 +97,12 @@ class LlamaCppConfig:
                 raise ConfigError("llama.cpp config: spec_type = 'draft-simple' needs a draft model; this workspace "
                                   "has none (choose an n-gram type)")
             out += ["--spec-draft-model", str(drafter)]
-        for key, flag in (("draft_n_max", "--spec-draft-n-max"), ("draft_n_min", "--spec-draft-n-min")):
+        # ngram-mod has bounds and a lookup length of its own (llama.cpp's common/speculative.cpp ignores the
+        # --spec-draft-n-* flags for it); the other n-gram types draft size_m tokens.
+        mod = self.spec_type == "ngram-mod"
+        for key, flag in (("draft_n_max", "--spec-ngram-mod-n-max" if mod else "--spec-draft-n-max"),
+                          ("draft_n_min", "--spec-ngram-mod-n-min" if mod else "--spec-draft-n-min"),
+                          *((("ngram_size_n", "--spec-ngram-mod-n-match"),) if mod else ())):
             if getattr(self, key):
                 out += [flag, str(getattr(self, key))]
         if self.draft_p_min:
@@ -158,3 +163,31 @@ class LlamaCppConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m decoder.engines.llamacpp_config SYSTEM_TOML [--drafter D.gguf]`: the llama-server flags of a
+    llama.cpp workspace's config (stock's, or what the loop kept), to run it outside SpecPilot."""
+    import argparse
+    import shlex
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m decoder.engines.llamacpp_config", description=main.__doc__)
+    p.add_argument("config", type=Path, help="a llama.cpp workspace's system.toml")
+    p.add_argument("--drafter", type=Path, default=None, help="the draft model's GGUF (spec_type draft-simple)")
+    args = p.parse_args(argv)
+    try:
+        cfg = LlamaCppConfig.load(args.config)
+        flags = [*cfg.server_flags(), *cfg.spec_flags(args.drafter)]
+    except OSError as e:
+        print(f"error: {args.config}: cannot read it ({e.strerror})", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    print(shlex.join(flags))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
