@@ -221,7 +221,9 @@ def test_a_candidate_editing_the_adapter_is_refused_before_it_runs(demo_ws):
     (["--deployment", "mars"], "--deployment mars: choose one of demo, smollm2"),
     (["--spec-type", "eagle9"], "--spec-type eagle9: choose one of none"),
     (["--batch-sizes", "1,8"], "serves one request at a time"),
-    (["--target", "/x"], "not --target/--drafter"),
+    (["--drafter", "/x.gguf"], "--drafter FILE.gguf goes with --target FILE.gguf"),
+    (["--target", "/x.gguf", "--deployment", "demo"], "not both"),
+    (["--target", "/nonexistent.gguf", "--tokenizer", "/t"], "--target /nonexistent.gguf: no such file"),
 ])
 def test_init_llamacpp_bad_values_are_one_line_exit_2(argv, words, tmp_path, capsys):
     rc = main(["init", "--engine", "llama.cpp", *argv, str(tmp_path / "ws")])
@@ -235,6 +237,38 @@ def test_init_engine_and_deployment_flags_are_checked(tmp_path, capsys):
     assert "--engine vllm: choose torch" in capsys.readouterr().err
     assert main(["init", "demo", str(tmp_path / "b"), "--deployment", "smollm2"]) == 2
     assert "go with --engine llama.cpp" in capsys.readouterr().err
+
+
+def test_own_gguf_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
+    text = tmp_path / "model.gguf"
+    text.write_text("not a model")
+    ws = tmp_path / "ws"
+    assert main(["init", "--engine", "llama.cpp", "--target", str(text), "--tokenizer", str(tmp_path),
+                 "--prompts", str(text), str(ws)]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err and not ws.exists()
+    gguf = tmp_path / "real.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    assert main(["init", "--engine", "llama.cpp", "--target", str(gguf), "--prompts", str(text), str(ws)]) == 2
+    assert "needs --tokenizer DIR" in capsys.readouterr().err and not ws.exists()
+
+
+@needs_llamacpp
+def test_own_gguf_workspace_from_files(tmp_path, capsys):
+    from decoder.models import DEMO_DIR
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def add(a, b):\n    return a + b\nclass Stack:\n")
+    ws = tmp_path / "ws"
+    rc = main(["init", "--engine", "llama.cpp", "--target", str(build.gguf_path("target", "bf16")), "--drafter",
+               str(build.gguf_path("drafter", "bf16")), "--tokenizer", str(DEMO_DIR / "target"), "--prompts",
+               str(prompts), "--spec-type", "draft-simple", "--json", str(ws)])
+    assert rc == 0, capsys.readouterr().err
+    from workbench.workspace import Workspace
+
+    w = Workspace(ws)
+    assert w.config.engine == "llama.cpp" and w.config.drafter == build.gguf_path("drafter", "bf16")
+    assert LlamaCppConfig.load(ws / "system.toml").spec_type == "draft-simple"
+    assert "--drafter" in w.entry_argv()
 
 
 @pytest.mark.slow

@@ -807,8 +807,9 @@ def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None,
         raise WorkspaceError(f"--deployment smollm2: {e}") from None
 
 
-def _probe_server(server: Path, target: Path, cfg: LlamaCppConfig) -> list[str]:
-    """Start llama-server once on the target with stock's flags and decode a few tokens: the fixed flags the
+def _probe_server(server: Path, target: Path, cfg: LlamaCppConfig, drafter: Path | None = None) -> list[str]:
+    """Start llama-server once on the target with stock's flags (and, with a draft model, with it drafting:
+    llama.cpp refuses a drafter whose vocabulary differs) and decode a few tokens: the fixed flags the
     deployment needs on this machine ([] or ["--no-repack"] where the repacked quantised kernels use an
     instruction this CPU lacks, e.g. AMX under a VM); WorkspaceError when it cannot run at all."""
     import tempfile as _tempfile
@@ -817,9 +818,10 @@ def _probe_server(server: Path, target: Path, cfg: LlamaCppConfig) -> list[str]:
     from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
 
     last = ""
+    spec = ["--spec-type", "draft-simple", "--spec-draft-model", str(drafter)] if drafter is not None else []
     for fixed in ([], ["--no-repack"]):
         with _tempfile.TemporaryDirectory(prefix="specpilot-probe-") as tmp:
-            srv = LlamaServer(target, SpecSettings(extra=(*cfg.server_flags(), *fixed)),
+            srv = LlamaServer(target, SpecSettings(extra=(*cfg.server_flags(), *fixed, *spec)),
                               ServerSettings(threads=cfg.threads or len(os.sched_getaffinity(0)),
                                              ctx_size=cfg.ctx_size),
                               name="llama-server (probe)", log_dir=Path(tmp), server=server)
@@ -829,34 +831,79 @@ def _probe_server(server: Path, target: Path, cfg: LlamaCppConfig) -> list[str]:
                 return fixed
             except EngineError as e:
                 last = str(e)
-    raise WorkspaceError(f"--target {target}: llama-server cannot serve it: {last}")
+    what = f"--target {target}" + (f" with --drafter {drafter}" if drafter is not None else "")
+    raise WorkspaceError(f"{what}: llama-server cannot serve it: {last}")
 
 
-def init_llamacpp(path: str | Path, *, deployment: str = "smollm2", spec_type: str = "none", prompts: str = "code",
-                  name: str | None = None, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
-                  limits: dict | None = None, bench: dict | None = None) -> Workspace:
+def _own_gguf(target: Path, drafter: Path | None, tokenizer: Path | None, prompts: str) -> tuple[Path, Path]:
+    """Check a user's own GGUF deployment before anything is made: GGUF files, a tokenizer directory that loads,
+    a prompts file; returns (tokenizer directory, prompts file)."""
+    from decoder.models import ModelLoadError, load_tokenizer
+
+    for p, flag in ((target, "--target"), (drafter, "--drafter")):
+        if p is None:
+            continue
+        if not p.is_file():
+            raise WorkspaceError(f"{flag} {p}: no such file; pass a GGUF model file")
+        try:
+            with p.open("rb") as fh:
+                magic = fh.read(4)
+        except OSError as e:
+            raise WorkspaceError(f"{flag} {p}: cannot read it ({e.strerror})") from None
+        if magic != b"GGUF":
+            raise WorkspaceError(f"{flag} {p}: not a GGUF file (it does not start with 'GGUF'); convert the model "
+                                 f"with llama.cpp's convert_hf_to_gguf.py")
+    if tokenizer is None:
+        raise WorkspaceError("--target FILE.gguf needs --tokenizer DIR (a Hugging Face directory with the model's "
+                             "tokenizer): the harness sends token ids, so prompts are tokenized here")
+    try:
+        load_tokenizer(tokenizer, "tokenizer")
+    except ModelLoadError as e:
+        raise WorkspaceError(f"--tokenizer {tokenizer}: {e}") from None
+    if prompts in ("code", "prose"):
+        raise WorkspaceError(f"--prompts {prompts}: with --target, pass a prompts file (JSONL with a \"text\" per "
+                             f"line, or one prompt per line)")
+    return tokenizer, Path(prompts).absolute()
+
+
+def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_type: str = "none",
+                  prompts: str = "code", name: str | None = None, forcing_max_new_tokens: int = 64,
+                  prompt_limit: int | None = None, limits: dict | None = None, bench: dict | None = None,
+                  target: Path | None = None, drafter: Path | None = None, tokenizer: Path | None = None
+                  ) -> Workspace:
     """Create a workspace whose system is llama.cpp's `llama-server` (built by `make llama-cpp`) on a named
-    deployment: `demo` (the demo target and drafter as bf16 GGUFs) or `smollm2` (SmolLM2-135M-Instruct, Q4_1).
+    deployment: `demo` (the demo target and drafter as bf16 GGUFs) or `smollm2` (SmolLM2-135M-Instruct, Q4_1),
+    or on the user's own GGUF (`target`, optional `drafter` GGUF, `tokenizer` directory, `prompts` file).
     Stock runs with speculation off, or with `spec_type`. One request at a time (load batch_sizes = [1])."""
     from decoder.engines.llamacpp_build import binary, is_built, missing_build_message
 
     path = Path(path).absolute()
     _check_new_folder(path)
-    if deployment not in LLAMA_CPP_DEPLOYMENTS:
-        raise WorkspaceError(f"--deployment {deployment}: choose one of {', '.join(LLAMA_CPP_DEPLOYMENTS)}")
-    if prompts not in ("code", "prose"):
+    if target is None and deployment not in LLAMA_CPP_DEPLOYMENTS:
+        raise WorkspaceError(f"--deployment {deployment}: choose one of {', '.join(LLAMA_CPP_DEPLOYMENTS)}, or "
+                             f"pass your own --target FILE.gguf --tokenizer DIR --prompts FILE")
+    if target is None and prompts not in ("code", "prose"):
         raise WorkspaceError(f"--prompts {prompts}: the {deployment} deployment has code and prose prompt sets")
     try:  # one thread, as the demo's: on a shared 2-core machine two spin-waiting threads are up to 30x slower
         stock = LlamaCppConfig(spec_type=spec_type, threads=1)
     except ConfigError as e:
         raise WorkspaceError(f"--spec-type {spec_type}: {str(e).split(': ', 2)[-1]}") from None
+    if target is not None:
+        target = Path(target).absolute()
+        drafter = Path(drafter).absolute() if drafter is not None else None
+        tokenizer, source = _own_gguf(target, drafter, Path(tokenizer).absolute() if tokenizer else None, prompts)
+        rows = read_prompts(source)
+        deployment = "".join(c if c in NAME_OK else "-" for c in target.stem).strip(".-") or "gguf"
     if not is_built():
         raise WorkspaceError(missing_build_message())
-    target, drafter, tokenizer, source = _llama_cpp_models(deployment, prompts)
+    if target is None:
+        target, drafter, tokenizer, source = _llama_cpp_models(deployment, prompts)
+        rows = _read_jsonl(source)
     if spec_type == "draft-simple" and drafter is None:
         raise WorkspaceError(f"--spec-type draft-simple: the {deployment} deployment has no draft model GGUF; choose "
                              f"an n-gram type or none")
-    name = _check_name(name or f"{deployment}-llama.cpp" + ("" if prompts == "code" else f"-{prompts}"))
+    own = prompts not in ("code", "prose")  # a prompts file of the user's own deployment
+    name = _check_name(name or f"{deployment}-llama.cpp" + ("" if own or prompts == "code" else f"-{prompts}"))
     for p in (target, drafter, tokenizer):
         if p is not None:
             closed = unreadable_for_sandbox([p])
@@ -864,8 +911,14 @@ def init_llamacpp(path: str | Path, *, deployment: str = "smollm2", spec_type: s
                 raise WorkspaceError(f"{p}: {closed} is not readable by the sandbox's unprivileged uid; run "
                                      f"`chmod -R o+rX {p}`")
     server = binary("llama-server")
-    fixed = _probe_server(server, target, stock)
-    rows = _read_jsonl(source)[:prompt_limit]
+    fixed = _probe_server(server, target, stock, drafter)
+    rows = rows[:prompt_limit]
+    from decoder.models import load_tokenizer
+
+    tok = load_tokenizer(tokenizer, "tokenizer")
+    for r in rows:
+        if not tok(r["text"], add_special_tokens=False)["input_ids"]:
+            raise WorkspaceError(f"--prompts {source}: prompt {r['id']!r} has no tokens under {tokenizer}; remove it")
     hidden = max(1, min(len(rows) - 1, round(len(rows) * HIDDEN_FRACTION)))
     entry = ["{python}", "-m", "decoder.engines.serve_llamacpp", "--server", str(server), "--model", "{target}",
              *(["--drafter", "{drafter}"] if drafter is not None else []), "--config", "{config}",

@@ -78,24 +78,32 @@ def _init_hybrid_demo(args: argparse.Namespace) -> int:
 
 def _init_llamacpp(args: argparse.Namespace) -> int:
     """`init --engine llama.cpp --deployment demo|smollm2 [PATH]`: llama-server as the workspace's system."""
-    if args.target is not None or args.drafter is not None:
-        return fail("init --engine llama.cpp takes --deployment demo|smollm2, not --target/--drafter")
+    if args.drafter is not None and args.target is None:
+        return fail("init --engine llama.cpp: --drafter FILE.gguf goes with --target FILE.gguf")
+    if args.target is not None and args.deployment is not None:
+        return fail("init --engine llama.cpp: pass --deployment demo|smollm2 or your own --target FILE.gguf, not both")
     if args.batch_sizes not in (None, "1"):
         return fail(f"init --engine llama.cpp: --batch-sizes {args.batch_sizes}: the llama.cpp system serves one "
                     f"request at a time for now; leave --batch-sizes out")
     if args.path is not None:
         return fail("init --engine llama.cpp takes one PATH, the folder to create: `specpilot init --engine llama.cpp "
                     "--deployment smollm2 PATH`")
-    deployment = args.deployment or "smollm2"
-    name = args.name or f"{deployment}-llama.cpp" + ("" if args.prompts in (None, "code") else f"-{args.prompts}")
+    deployment = None if args.target else (args.deployment or "smollm2")
+    if args.target is not None and args.what is None:
+        return fail("init --engine llama.cpp --target needs PATH, the folder to create")
+    name = args.name or (f"{deployment}-llama.cpp" + ("" if args.prompts in (None, "code") else f"-{args.prompts}")
+                         if deployment else None)
     path = Path(args.what) if args.what else default_demo_path().with_name(name)
     quiet_transformers()
     try:
         ws = init_llamacpp(path, deployment=deployment, spec_type=args.spec_type or "none",
-                           prompts=args.prompts or "code", name=name)
+                           prompts=args.prompts or ("code" if deployment else ""), name=name,
+                           target=Path(args.target) if args.target else None,
+                           drafter=Path(args.drafter) if args.drafter else None,
+                           tokenizer=Path(args.tokenizer) if args.tokenizer else None)
     except _errors() as e:
         return fail(str(e))
-    return _created(ws, f"llama.cpp workspace ({deployment})", args.json)
+    return _created(ws, f"llama.cpp workspace ({deployment or ws.config.target.name})", args.json)
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -103,8 +111,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
         return fail(f"init: --engine {args.engine}: choose torch (SpecPilot's decoder, the default) or llama.cpp")
     if args.engine == "llama.cpp":
         return _init_llamacpp(args)
-    if args.deployment is not None or args.spec_type is not None:
-        return fail("init: --deployment and --spec-type go with --engine llama.cpp")
+    if args.deployment is not None or args.spec_type is not None or args.tokenizer is not None:
+        return fail("init: --deployment, --spec-type and --tokenizer go with --engine llama.cpp")
     if args.target is None and args.drafter is not None:
         return fail("init: --drafter goes with --target: `specpilot init --target DIR --drafter DIR PATH`")
     if args.target is not None:
@@ -222,7 +230,9 @@ def add_parser(sub) -> None:
                              "       specpilot init --target DIR [--drafter DIR] [--prompts FILE] [--name NAME] "
                              "[--json] PATH\n"
                              "       specpilot init --engine llama.cpp [--deployment demo|smollm2] [--spec-type T] "
-                             "[--prompts code|prose] [--name NAME] [--json] [PATH]")
+                             "[--prompts code|prose] [--name NAME] [--json] [PATH]\n"
+                             "       specpilot init --engine llama.cpp --target FILE.gguf --tokenizer DIR "
+                             "--prompts FILE [--drafter FILE.gguf] [--spec-type T] [--json] PATH")
     i.add_argument("what", nargs="?", metavar="demo | hybrid-demo | PATH",
                    help="demo: the embedded demo deployment; hybrid-demo: a hybrid recurrent target and its "
                         "draft model; with --target: the folder to create")
@@ -245,6 +255,9 @@ def add_parser(sub) -> None:
     i.add_argument("--deployment", metavar="|".join(LLAMA_CPP_DEPLOYMENTS),
                    help="with --engine llama.cpp: demo (the demo models as bf16 GGUFs) or smollm2 "
                         "(SmolLM2-135M-Instruct Q4_1; default)")
+    i.add_argument("--tokenizer", metavar="DIR",
+                   help="with --engine llama.cpp --target FILE.gguf: a Hugging Face directory with the model's "
+                        "tokenizer")
     i.add_argument("--spec-type", metavar="T",
                    help="with --engine llama.cpp: stock's --spec-type (default none: llama.cpp AR), e.g. ngram-simple")
     i.add_argument("--json", action="store_true")
