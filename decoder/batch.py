@@ -229,12 +229,23 @@ class RequestResult:
 
 
 @dataclass
+class LiveSteps:
+    """The steps a run took at one live-request count: how many, the tokens they committed, their seconds."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class BatchRun:
     results: list[RequestResult]  # in the order of the requests given
     wall_s: float
     steps: int  # batched target forwards after prefill
     stats: DecodeStats = field(default_factory=DecodeStats)  # summed over requests; phase_s for the run
     live_steps: int = 0  # live requests summed over the steps: the concurrency the engine actually saw
+    # Per live count, what a load schedule is looked up by (#21): the loads a run really reached and their steps.
+    by_live: dict[int, LiveSteps] = field(default_factory=dict)
 
     @property
     def mean_live(self) -> float:
@@ -330,6 +341,7 @@ class BatchEngine:
         results: list[RequestResult | None] = [None] * len(requests)
         t0 = clock()
         steps = live_steps = 0
+        by_live: dict[int, LiveSteps] = {}
         while pending or any(s is not None for s in slots):
             now = clock() - t0
             if cfg.continuous_batching:
@@ -354,10 +366,17 @@ class BatchEngine:
                 if pending and not joining and all(s is None or s.done for s in slots):
                     sleep(max(0.0, requests[pending[0]].arrival_s - (clock() - t0)))
                 continue
+            before = sum(len(slots[i].tokens) for i in live)
+            t_step = clock()
             self._step(slots, live)
+            t_end = clock()  # the step's one device-to-host copy has synchronised
             steps += 1
             live_steps += len(live)
-            now = clock() - t0
+            at = by_live.setdefault(len(live), LiveSteps())
+            at.steps += 1
+            at.tokens += sum(len(slots[i].tokens) for i in live) - before  # committed, cut at EOS / max_new_tokens
+            at.seconds += t_end - t_step
+            now = t_end - t0
             for i in live:
                 self._finish_if_done(slots[i], results, requests, now)
         wall = clock() - t0
@@ -365,7 +384,7 @@ class BatchEngine:
         for r in results:
             self.run_stats.merge(r.stats)
         self.run_stats.wall_s = wall
-        return BatchRun(results, wall, steps, self.run_stats, live_steps)
+        return BatchRun(results, wall, steps, self.run_stats, live_steps, dict(sorted(by_live.items())))
 
     def _finish_if_done(self, s: _Slot, results: list, requests: list[Request], now: float) -> None:
         if not s.done or results[s.req] is not None:
@@ -399,7 +418,12 @@ class BatchEngine:
                                   capture=self.capture)  # [R, V]
         logits, feats = out if self.capture else (out, None)
         first = self._select(logits).tolist()  # one host copy for the joining group
-        if self.use_draft_model:
+        # Under a load schedule whose length at this load is 0 (AR steps), the drafter's prefill waits: its first
+        # draft round feeds whatever its cache has not seen (ragged packing: real rows only), so a request that
+        # never drafts never pays it.
+        live = sum(s is not None and not s.done for s in slots) + len(joining)
+        defer = cfg.ragged_verify and scheduled_draft_len(cfg, live) == 0
+        if self.use_draft_model and not defer:
             self.drafter.forward(ids, slot_ids, qpad, self.dcache, advance=qlens, last_rows=last)
         row0 = 0
         for (si, i), tok, q, w in zip(joining, first, qlens, qpad, strict=True):

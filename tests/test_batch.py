@@ -3,6 +3,7 @@ batched rejection sampling, and the bench's batch report."""
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -244,6 +245,181 @@ def test_a_run_counts_the_live_requests_of_each_step():
     assert (run.steps, run.mean_live) == (0, 0.0)
 
 
+def test_a_run_keeps_each_live_count_s_steps_tokens_and_seconds():
+    # What a load schedule is measured from (#21): an EOS ends requests at different steps, so the run's steps
+    # fall at 3, 2 and 1 live requests; each count keeps its steps, the tokens they committed and their time.
+    target = tiny_llama()
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    n_new = 8
+    full = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=n_new, stop_at_eos=False)).tokens
+            for p in prompts]
+    eos = next(t for t in full[0][1:] if t != full[0][0])  # a token that ends request 0 after its first
+    lens = [len(_cut_at(f, eos)) for f in full]
+    assert len(set(lens)) > 1  # requests really finish at different steps
+    # AR: step j (1, 2, ...) commits token j + 1 for every request with more than j tokens.
+    want = {}
+    for j in range(1, max(lens)):
+        live = sum(n > j for n in lens)
+        want[live] = (want.get(live, (0, 0))[0] + 1, want.get(live, (0, 0))[1] + live)
+    clock = FakeClock(0.01)
+    run = BatchEngine(target, DecodeConfig(method="ar", max_new_tokens=n_new), 4, eos_id=eos).run(
+        [Request(p, 0.0, i) for i, p in enumerate(prompts)], clock=clock, sleep=clock.sleep)
+    assert [len(r.tokens) for r in run.results] == lens
+    assert {live: (at.steps, at.tokens) for live, at in run.by_live.items()} == want
+    assert all(at.seconds == pytest.approx(0.01 * at.steps) for at in run.by_live.values())  # one tick per step
+    assert sum(at.steps for at in run.by_live.values()) == run.steps
+    assert sum(live * at.steps for live, at in run.by_live.items()) == run.live_steps
+    assert sum(at.tokens for at in run.by_live.values()) == run.new_tokens - len(prompts)  # less the prefill's
+    # SD: a step commits the accepted drafts too; the totals still add up per live count.
+    cfg = DecodeConfig(method="sd", drafter="ngram", draft_len=4, max_new_tokens=n_new, dtype="float32")
+    run = BatchEngine(target, cfg, 4, eos_id=eos).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+    assert [len(r.tokens) for r in run.results] == lens
+    assert sum(at.tokens for at in run.by_live.values()) == run.new_tokens - len(prompts)
+    assert sum(at.steps for at in run.by_live.values()) == run.steps
+
+
+# -- the measured load schedule (#21) ---------------------------------------------------------------
+
+def test_schedule_entries_start_at_the_live_counts_each_batch_size_reaches():
+    from decoder.config import scheduled_draft_len
+    from decoder.lab.batch_bench import choose_draft_len, entry_starts, schedule_text
+
+    # The demo's code prompts: 6 of 16 end at their first token, so B = 16 reaches 10 live and B = 32 no more.
+    starts = entry_starts({1: 1, 4: 4, 8: 8, 16: 10, 32: 10})
+    assert starts == {1: 1, 4: 2, 8: 5, 16: 9}
+    assert entry_starts({4: 4, 8: 8}) == {4: 1, 8: 5}  # the smallest batch size's entry serves from 1 on
+    chosen = {1: 6, 4: 6, 8: 8, 16: 0}
+    text = schedule_text({first: chosen[b] for b, first in starts.items()})
+    assert text == "1:6,5:8,9:0"
+    cfg = DecodeConfig(load_schedule=text)
+    assert [scheduled_draft_len(cfg, n) for n in (1, 4, 5, 8, 9, 10)] == [6, 6, 8, 8, 0, 0]  # 10 live: AR steps
+    # Speculation only where it beats AR steps by the margin; a close call goes to AR.
+    assert choose_draft_len({0: 100.0, 2: 150.0, 4: 120.0}) == 2
+    assert choose_draft_len({0: 100.0, 2: 102.0}, min_gain=1.03) == 0
+    assert choose_draft_len({0: 100.0, 2: 102.0}, min_gain=1.0) == 2
+    assert choose_draft_len({0: 100.0, 2: 90.0}) == 0
+
+
+def _synthetic_run(b: int, k_at):
+    """A run whose steps fall mostly below its batch size (as on the demo, where prompts end at their first
+    token): phases at min(b, 6), min(b, 2) and 1 live requests, each committing 60 tokens per live request.
+    A step at L live and draft k = k_at(L) commits L * (1 + min(k, 2) / 2) tokens in 1 + L * (k + 1) / 2
+    seconds: speculation (k = 2) pays at 1 live, ties at 2 and loses above."""
+    from decoder.batch import BatchRun, LiveSteps, RequestResult
+    from decoder.profiler import DecodeStats
+
+    by_live = {}
+    for c in (6, 2, 1):
+        live, k = min(b, c), k_at(min(b, c))
+        at = by_live.setdefault(live, LiveSteps())
+        n = round(60 / (1 + min(k, 2) / 2))
+        at.steps += n
+        at.tokens += 60 * live
+        at.seconds += n * (1 + live * (k + 1) / 2)
+    run = BatchRun([], sum(a.seconds for a in by_live.values()), sum(a.steps for a in by_live.values()),
+                   live_steps=sum(live * a.steps for live, a in by_live.items()), by_live=by_live)
+    run.results = [RequestResult([1] * sum(a.tokens for a in by_live.values()), DecodeStats(), 0.0, 0.0, 0.0)]
+    return run
+
+
+def test_measure_schedule_is_keyed_by_the_live_requests_it_is_looked_up_by():
+    """Each batch size's choice sits at the live counts its runs reach (where the engine reads the schedule),
+    not at the batch size: B = 8 and 16 reach 6 live here, so B = 8's choice (AR steps) serves from 2 live on
+    and B = 16 adds no entry; the old keying ('8:0,16:0') left every step of a 'B = 8' run drafting."""
+    from dataclasses import replace
+
+    from decoder.config import scheduled_draft_len
+    from decoder.lab.batch_bench import format_batch_table, measure_schedule
+
+    calls = []
+
+    def timed(cfg, b):
+        calls.append((cfg.load_schedule, b))
+        k_at = (lambda live: 0) if cfg.method == "ar" else (lambda live: scheduled_draft_len(cfg, live))
+        return _synthetic_run(b, k_at), {"unexplained_mismatches": 0}
+
+    sd = DecodeConfig(method="sd", drafter="ngram", draft_len=4, ragged_verify=True, continuous_batching=True)
+    ar = replace(sd, method="ar", load_schedule="")
+    row = measure_schedule(timed, sd, ar, (1, 8, 16), repeats=1, progress=False)
+    assert row["load_schedule"] == "1:2,2:0"
+    assert ("1:2,2:0", 16) in calls  # the scheduled system runs in runs of its own
+    b1, b8, b16 = row["points"]
+    assert (b1["draft_len"], b1["max_live"], b1["live_from"], b1["steps_by_draft_len"]) == (2, 1, 1, {"2": 90})
+    assert (b8["draft_len"], b8["max_live"], b8["live_from"]) == (0, 6, 2)
+    assert b8["steps_by_draft_len"] == {"0": 120, "2": 30}  # 6 and 2 live: AR steps; the last request alone: 2
+    assert b8["mean_live"] == pytest.approx(3.4) and b8["speedup"] > 1.0 and b1["speedup"] > 1.0
+    assert (b16["max_live"], b16["live_from"]) == (6, None)
+    report = {"deployment": "tiny", "prompts": "p", "num_prompts": 16, "max_new_tokens": 8, "dtype": "float32",
+              "device": "cpu", "noise_floor": 0.0, "batch": [], "schedule": [{"name": "ngram", **row}],
+              "prompts_ending_at_first_token": 6}
+    text = format_batch_table(report)
+    assert "6 of 16 prompts end at their first token" in text
+    assert "B=8: draft 0 from 2 live (steps per draft length: 0: 120, 2: 30)" in text
+
+
+def test_drafter_prefill_waits_while_the_schedule_says_ar_steps(tiny_models):
+    """A request admitted at a load the schedule runs as AR steps skips the draft model's prefill (ragged: its
+    first draft round catches up on prompt and tokens at once); outputs stay token-identical either way."""
+    target, drafter, _, prompts = tiny_models
+    n_new = 16
+    full = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=n_new, stop_at_eos=False)).tokens
+            for p in prompts]
+    eos = full[0][2]  # requests end at different steps, so the first batch of 4 drains to 2 live mid-run
+    refs = [_cut_at(f, eos) for f in full]
+    assert sorted(len(r) for r in refs[:4])[1] < n_new  # two of the 4 end early: the rest run on alone
+    base = DecodeConfig(method="sd", drafter="draft-model", draft_len=3, max_new_tokens=n_new, dtype="float32",
+                        continuous_batching=True)
+    for ragged, sched, drafter_runs in ((True, "1:0", False), (False, "1:0", True), (True, "1:3,3:0", True)):
+        engine = BatchEngine(target, replace(base, ragged_verify=ragged, load_schedule=sched), 4, drafter, eos)
+        calls = []
+
+        def counted(*a, calls=calls, forward=engine.drafter.forward, **kw):
+            calls.append(1)
+            return forward(*a, **kw)
+
+        engine.drafter.forward = counted
+        run = engine.run([Request(p, 0.0, i) for i, p in enumerate(prompts[:4])])
+        assert [r.tokens for r in run.results] == refs[:4], (ragged, sched)
+        assert bool(calls) == drafter_runs, (ragged, sched)
+        if sched != "1:0":  # admitted at 4 live (no drafter prefill), drafting once 2 or fewer are: a catch-up
+            assert run.stats.drafted > 0
+        else:
+            assert run.stats.drafted == 0
+
+
+def test_measured_schedule_on_a_tiny_model_is_lossless(tiny_models):
+    """The whole measurement through the engine: the chosen schedule (whatever the timings) is valid and every
+    scheduled and AR run is token-identical to single-request greedy."""
+    from dataclasses import replace
+
+    from decoder.lab.batch_bench import measure_schedule
+
+    target, _, _, prompts = tiny_models
+    n_new = 12
+    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=n_new, stop_at_eos=False)).tokens
+            for p in prompts]
+    eos = refs[2][3]
+    refs = [_cut_at(r, eos) for r in refs]
+    bt = BatchLM(target)
+    seen = []
+
+    def timed(cfg, b):
+        run = BatchEngine(bt, cfg, b, eos_id=eos).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+        seen.append(cfg.load_schedule)
+        return run, {"unexplained_mismatches": sum(r.tokens != ref for r, ref in zip(run.results, refs, strict=True))}
+
+    sd = DecodeConfig(method="sd", drafter="ngram", draft_len=3, max_new_tokens=n_new, dtype="float32",
+                      ragged_verify=True, continuous_batching=True)
+    row = measure_schedule(timed, sd, replace(sd, method="ar"), (1, 4), repeats=1, progress=False)
+    DecodeConfig(load_schedule=row["load_schedule"])
+    assert row["load_schedule"] in seen
+    assert all(pt["unexplained_mismatches"] == 0 for pt in row["points"])
+    for pt in row["points"]:
+        assert 0 < pt["max_live"] <= pt["batch_size"] and pt["mean_live"] <= pt["max_live"]
+        assert sum(pt["steps_by_draft_len"].values()) > 0
+    assert row["points"][0]["live_from"] == 1
+
+
 # -- bench ------------------------------------------------------------------------------------------
 
 @needs_demo
@@ -256,6 +432,7 @@ def test_batch_bench_report_contract(tmp_path):
     report = run_batch_bench(DEMO_DIR / "target", DEMO_DIR / "drafter", str(path), 8, (1, 2),
                              drafters=("ngram",), noise_prompts=1, progress=False)
     assert len(report["batch"]) == 2 * 8
+    assert 0 <= report["prompts_ending_at_first_token"] <= 3
     for r in report["batch"]:
         assert {"batch_size", "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "mechanisms"} <= set(r)
         assert set(r["mechanisms"]) == set(MECHS)

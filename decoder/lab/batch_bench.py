@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from decoder.batch import BatchEngine, BatchLM, BatchRun, Request, poisson_arrivals
-from decoder.config import FEATURE_DRAFTERS, DecodeConfig, verify_width
+from decoder.config import FEATURE_DRAFTERS, DecodeConfig, scheduled_draft_len, verify_width
 from decoder.contract import first_divergence, near_tie
 from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 from decoder.generate import ar_generate
@@ -150,6 +150,8 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
     ar_keys = list(itertools.product((False, True), repeat=2))  # (ragged_verify, continuous_batching)
     sd_keys = [(d, i) for d in sd_cfgs for i in range(len(combos))] if not schedule else []  # schedule: no grid
     m_keys = [("method", m) for m in method_cfgs]
+    if schedule:  # no grid to pair AR with: plain batched AR only where the methods divide by it
+        ar_keys = [(False, False)] if m_keys else []
     total = len(batch_sizes) * repeats * (len(ar_keys) + len(sd_keys) + len(m_keys))
     bar = tqdm(total=total, desc="batch bench", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     rows, method_rows = [], []
@@ -172,7 +174,7 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
                     unexplained = max(chk["unexplained_mismatches"], best[key][1]["unexplained_mismatches"]
                                       if key in best else 0)
                     best[key] = (run, {**chk, "unexplained_mismatches": unexplained})
-        plain_ar = best[(False, False)][0].tokens_per_s
+        plain_ar = best[(False, False)][0].tokens_per_s if (False, False) in best else None
         for _, m in m_keys:
             run, chk = best[("method", m)]
             method_rows.append({
@@ -228,6 +230,9 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
         "device": device,
         "noise_floor": round(checker.floor, 6),
         "noise_widths": list(widths),
+        # Requests whose greedy run ends at its first token (EOS): they never reach a step, so a batch point's
+        # live requests stay below its batch size (each point's mean_live says how far).
+        "prompts_ending_at_first_token": sum(len(r) == 1 and r[0] == eos for r in checker.refs),
         "batch": rows,
         "batch_methods": method_rows,
         "schedule": sched_rows,
@@ -239,15 +244,53 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
 
 
 SCHEDULE_LENS = (0, 1, 2, 3, 4, 6, 8)  # draft lengths a measured schedule chooses from (0 = AR steps)
+SCHEDULE_MIN_GAIN = 1.03  # a draft length replaces AR steps only where its runs are this much faster than AR's
+
+
+def choose_draft_len(rates: dict[int, float], min_gain: float = SCHEDULE_MIN_GAIN) -> int:
+    """The fastest draft length of `rates` (tokens/s per length, 0 = AR steps), a speculative one only when it
+    beats AR by `min_gain`: where they are close, AR steps are the safe side."""
+    best = max(rates, key=rates.get)
+    return 0 if best != 0 and 0 in rates and rates[best] < min_gain * rates[0] else best
+
+
+def entry_starts(reach: dict[int, int]) -> dict[int, int]:
+    """Where each batch size's load-schedule entry starts, in live requests (what the engine looks it up by).
+    reach[b]: the most live requests b's runs had in a step, below b when requests end at their first token.
+    b's entry starts at the first live count its runs reach and a smaller batch size's do not; a batch size
+    that reaches none (its runs were a smaller one's) gets no entry. {1: 1, 4: 4, 8: 8, 16: 10, 32: 10} ->
+    {1: 1, 4: 2, 8: 5, 16: 9}; the smallest batch size's entry starts at 1."""
+    out, seen = {}, 0
+    for b in sorted(reach):
+        if not out or reach[b] > seen:
+            out[b] = seen + 1 if out else 1
+            seen = max(seen, reach[b])
+    return out
+
+
+def schedule_text(entries: dict[int, int]) -> str:
+    """{1: 6, 2: 6, 5: 8, 9: 0} -> '1:6,5:8,9:0' (an entry only where the length changes)."""
+    out, last = [], None
+    for first, k in sorted(entries.items()):
+        if k != last:
+            out.append(f"{first}:{k}")
+            last = k
+    return ",".join(out)
 
 
 def measure_schedule(timed, sd: DecodeConfig, ar: DecodeConfig, batch_sizes: tuple[int, ...], repeats: int,
-                     progress: bool) -> dict:
-    """The load schedule of `sd` chosen from measurements: at each batch size, every draft length of
-    SCHEDULE_LENS (up to sd's own), the fastest kept; then the scheduled system, in runs of its own, against
-    batched AR (`ar`, the same batching) at every batch size. `timed(cfg, b)` -> (BatchRun, check)."""
+                     progress: bool, min_gain: float = SCHEDULE_MIN_GAIN) -> dict:
+    """The load schedule of `sd` chosen from measurements: at each batch size every draft length of SCHEDULE_LENS
+    (up to sd's own) runs and the fastest is kept (`choose_draft_len`); then each choice is keyed by the live
+    requests its runs had (`entry_starts`): the engine looks the schedule up by live requests, and a batch
+    of B has fewer live when requests end at their first token. Then the scheduled system, in runs of its own,
+    against batched AR (`ar`, the same batching) at every batch size. `timed(cfg, b)` -> (BatchRun, check).
+
+    Whole runs decide, not steps at one live count: speculation spreads requests' finishing times, so a batch
+    drains into a tail of few live requests that AR steps (all requests one token a step) do not have."""
     lens = [k for k in SCHEDULE_LENS if k <= sd.draft_len]
     per_b: dict[int, dict[int, float]] = {}
+    reach: dict[int, int] = {}
     bar = tqdm(total=len(batch_sizes) * len(lens) * repeats, desc=f"schedule {sd.drafter}", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     for b in batch_sizes:
@@ -255,13 +298,13 @@ def measure_schedule(timed, sd: DecodeConfig, ar: DecodeConfig, batch_sizes: tup
             for k in lens:
                 run, chk = timed(replace(sd, load_schedule=f"1:{k}"), b)
                 bar.update(1)
+                reach[b] = max(reach.get(b, 0), max(run.by_live, default=0))
                 if chk["unexplained_mismatches"] == 0:
                     per_b.setdefault(b, {})[k] = max(per_b.get(b, {}).get(k, 0.0), run.tokens_per_s)
     bar.close()
-    chosen = {b: max(v, key=v.get) for b, v in per_b.items()}
-    if batch_sizes[0] != 1 and batch_sizes[0] in chosen:
-        chosen = {1: chosen[batch_sizes[0]], **chosen}
-    text = ",".join(f"{b}:{k}" for b, k in sorted(chosen.items()))
+    chosen = {b: choose_draft_len(v, min_gain) for b, v in per_b.items()}
+    live_from = entry_starts({b: reach[b] for b in chosen})
+    text = schedule_text({first: chosen[b] for b, first in live_from.items()})
     cfg = replace(sd, load_schedule=text)
     points = []
     for b in batch_sizes:  # fresh runs: the choice above is not scored on its own (best-of) timings
@@ -273,15 +316,24 @@ def measure_schedule(timed, sd: DecodeConfig, ar: DecodeConfig, batch_sizes: tup
                     best_ar = (run, chk)
                 if which == "sd" and (best_sd is None or run.wall_s < best_sd[0].wall_s):
                     best_sd = (run, chk)
+        used: dict[int, int] = {}  # steps the scheduled run took at each draft length
+        for live, at in best_sd[0].by_live.items():
+            used[scheduled_draft_len(cfg, live)] = used.get(scheduled_draft_len(cfg, live), 0) + at.steps
         points.append({"batch_size": b, "ar_tokens_per_s": round(best_ar[0].tokens_per_s, 2),
                        "sd_tokens_per_s": round(best_sd[0].tokens_per_s, 2),
                        "speedup": round(best_sd[0].tokens_per_s / best_ar[0].tokens_per_s, 4),
                        "draft_len": chosen.get(b), "tau": round(best_sd[0].stats.tau, 4),
                        "mean_live": round(best_sd[0].mean_live, 2),
+                       "ar_mean_live": round(best_ar[0].mean_live, 2),
+                       "max_live": reach.get(b, 0),  # the most live requests its runs had in a step
+                       "live_from": live_from.get(b),  # its entry's first live count (None: no entry of its own)
+                       "steps_by_draft_len": {str(k): n for k, n in sorted(used.items())},
                        "tokens_per_s_by_draft_len": {str(k): round(v, 2) for k, v in per_b.get(b, {}).items()},
                        "unexplained_mismatches": best_sd[1]["unexplained_mismatches"]})
     return {"drafter": sd.drafter, "load_schedule": text, "mechanisms": ["ragged_verify", "continuous_batching"],
-            "ar": "batched AR with ragged verify and continuous batching", "points": points}
+            "ar": "batched AR with ragged verify and continuous batching",
+            "keyed_by": "live requests per step: each batch size's choice from the live counts only its runs reach",
+            "min_gain": min_gain, "points": points}
 
 
 def _mech_label(mech: dict[str, bool]) -> str:
@@ -302,6 +354,10 @@ def format_batch_table(report: dict) -> str:
             for r in report["batch"]]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
     lines = [head]
+    if report.get("prompts_ending_at_first_token"):
+        early = report["prompts_ending_at_first_token"]
+        lines.append(f"{early} of {report['num_prompts']} prompts end at their first token (EOS): a batch point "
+                     f"decodes at most {report['num_prompts'] - early} live requests")
     if rows:  # the drafter x mechanism grid (absent when only --batch-methods ran)
         lines += ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)), "  ".join("-" * w for w in widths)]
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
@@ -322,7 +378,11 @@ def format_batch_table(report: dict) -> str:
     for sc in report.get("schedule", []):
         lines.append(f"scheduled {sc.get('name', sc['drafter'])} (load_schedule = \"{sc['load_schedule']}\", "
                      f"ragged+continuous) against batched AR:")
-        lines += [f"  B={pt['batch_size']}: draft {pt['draft_len']}, {pt['sd_tokens_per_s']:.1f} vs "
+        lines += [f"  B={pt['batch_size']}: draft {pt['draft_len']}"
+                  + (f" from {pt['live_from']} live" if pt.get("live_from") else "")
+                  + (" (steps per draft length: " + ", ".join(f"{k}: {n}" for k, n in pt["steps_by_draft_len"].items())
+                     + ")" if "steps_by_draft_len" in pt else "")
+                  + f", {pt['sd_tokens_per_s']:.1f} vs "
                   f"{pt['ar_tokens_per_s']:.1f} tok/s = {pt['speedup']:.2f}x, "
                   + (f"{pt['mean_live']:.1f} live requests per step, " if "mean_live" in pt else "")
                   + f"{pt['unexplained_mismatches']} unexplained"
