@@ -39,3 +39,34 @@ def test_memory_goes_first_and_the_first_agent_composes_what_was_accepted_elsewh
     assert "transfer" in dirs[0].summary and [m["name"] for m in dirs[0].memory] == ["tree", "mtp"]
     again, tried_again = _plan(memory=mem, agents=1, transfer_tried=True)
     assert not tried_again and [m["name"] for m in again[0].memory] == ["tree"]
+
+
+def test_the_tuners_measured_schedule_is_keyed_by_the_live_requests_a_batch_reaches():
+    """The engine looks a load schedule up by live requests; a batch of 8 whose prompts end at their first token
+    has fewer. Rates are scripted (the timing is what cannot be asserted here); the keying is the tuner's own."""
+    import threading
+    from types import SimpleNamespace
+
+    from decoder.mechanisms import contract_for
+    from workbench.agents.base import AgentContext, Direction
+    from workbench.agents.tuner import TunerAgent
+
+    rates = {1: {0: 100.0, 1: 110.0, 2: 130.0, 3: 120.0, 4: 90.0},  # B = 1: draft 2 wins
+             8: {0: 400.0, 1: 405.0, 2: 300.0, 3: 250.0, 4: 200.0}}  # B = 8: draft 1 is within 3% of AR: AR
+
+    class Scripted(TunerAgent):
+        def _score_load(self, sp, cfg, prompts, n, ref, threshold):
+            k = int(cfg.load_schedule.split(":")[1])
+            return {b: rates[b][k] for b in self.points}, ""
+
+    ws = SimpleNamespace(config=SimpleNamespace(batch_sizes=[1, 8]), contract=contract_for("torch"))
+    agent = Scripted(ws)
+    p = [SimpleNamespace(id="long", ids=[1]), SimpleNamespace(id="eos", ids=[2])]
+    ref = {"long": {"stock": [5, 6, 7, 8]}, "eos": {"stock": [0]}}  # "eos" ends at its first token
+    ctx = AgentContext(branch="b", worktree=None, direction=Direction("batching", 1.0, "", [], []), gap_breakdown=[],
+                       visible_prompts=[], smoke=lambda: None, log=lambda *a: None, stop=threading.Event())
+    history: list = []
+    cand = agent._measured_schedule(None, DecodeConfig(), p, 8, ref, 0.0, history, ctx)
+    # the batch of 8 cycles the two prompts: 4 of its requests are ever live in a decode step, so B = 8's entry
+    # starts after B = 1's reach (1): at 2 live requests
+    assert cand is not None and cand.changes == {"load_schedule": "1:2,2:0"}

@@ -904,7 +904,7 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
                              f"an n-gram type or none")
     own = prompts not in ("code", "prose")  # a prompts file of the user's own deployment
     name = _check_name(name or f"{deployment}-llama.cpp" + ("" if own or prompts == "code" else f"-{prompts}"))
-    for p in (target, drafter, tokenizer):
+    for p in (target, drafter, tokenizer, binary("llama-server").parent):
         if p is not None:
             closed = unreadable_for_sandbox([p])
             if closed is not None and sandbox_status()[0]:

@@ -18,7 +18,16 @@ import torch
 from tqdm import tqdm
 
 from decoder.batch import BatchEngine, BatchLM, BatchRun, Request, poisson_arrivals
-from decoder.config import FEATURE_DRAFTERS, DecodeConfig, scheduled_draft_len, verify_width
+from decoder.config import (
+    FEATURE_DRAFTERS,
+    SCHEDULE_MIN_GAIN,
+    DecodeConfig,
+    choose_draft_len,
+    entry_starts,
+    schedule_text,
+    scheduled_draft_len,
+    verify_width,
+)
 from decoder.contract import first_divergence, near_tie
 from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 from decoder.generate import ar_generate
@@ -244,40 +253,6 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
 
 
 SCHEDULE_LENS = (0, 1, 2, 3, 4, 6, 8)  # draft lengths a measured schedule chooses from (0 = AR steps)
-SCHEDULE_MIN_GAIN = 1.03  # a draft length replaces AR steps only where its runs are this much faster than AR's
-
-
-def choose_draft_len(rates: dict[int, float], min_gain: float = SCHEDULE_MIN_GAIN) -> int:
-    """The fastest draft length of `rates` (tokens/s per length, 0 = AR steps), a speculative one only when it
-    beats AR by `min_gain`: where they are close, AR steps are the safe side."""
-    best = max(rates, key=rates.get)
-    return 0 if best != 0 and 0 in rates and rates[best] < min_gain * rates[0] else best
-
-
-def entry_starts(reach: dict[int, int]) -> dict[int, int]:
-    """Where each batch size's load-schedule entry starts, in live requests (what the engine looks it up by).
-    reach[b]: the most live requests b's runs had in a step, below b when requests end at their first token.
-    b's entry starts at the first live count its runs reach and a smaller batch size's do not; a batch size
-    that reaches none (its runs were a smaller one's) gets no entry. {1: 1, 4: 4, 8: 8, 16: 10, 32: 10} ->
-    {1: 1, 4: 2, 8: 5, 16: 9}; the smallest batch size's entry starts at 1."""
-    out, seen = {}, 0
-    for b in sorted(reach):
-        if not out or reach[b] > seen:
-            out[b] = seen + 1 if out else 1
-            seen = max(seen, reach[b])
-    return out
-
-
-def schedule_text(entries: dict[int, int]) -> str:
-    """{1: 6, 2: 6, 5: 8, 9: 0} -> '1:6,5:8,9:0' (an entry only where the length changes)."""
-    out, last = [], None
-    for first, k in sorted(entries.items()):
-        if k != last:
-            out.append(f"{first}:{k}")
-            last = k
-    return ",".join(out)
-
-
 def measure_schedule(timed, sd: DecodeConfig, ar: DecodeConfig, batch_sizes: tuple[int, ...], repeats: int,
                      progress: bool, min_gain: float = SCHEDULE_MIN_GAIN) -> dict:
     """The load schedule of `sd` chosen from measurements: at each batch size every draft length of SCHEDULE_LENS

@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decoder.config import ConfigError, DecodeConfig, dump_table
+from decoder.config import ConfigError, DecodeConfig, choose_draft_len, dump_table, entry_starts, schedule_text
 from decoder.contract import near_tie_threshold
 from decoder.mechanisms import CONTRACTS, Contract
 from workbench.agents.base import AgentContext, AgentResult
@@ -327,9 +327,13 @@ class TunerAgent:
     def _measured_schedule(self, sp, base: DecodeConfig, prompts, n: int, ref: dict, threshold: float,
                            history: list, ctx: AgentContext) -> Candidate | None:
         """The load schedule this deployment's measurements pick: at every batch size of the load, the draft
-        length (0 = AR steps) with the most tokens/s for the base config on the visible prompts."""
+        length (0 = AR steps) with the most tokens/s for the base config on the visible prompts (a speculative
+        one only 3% ahead of AR, `choose_draft_len`), each keyed by the live requests that batch reaches
+        (`entry_starts`: the engine looks the schedule up by live requests, and a request whose stock output
+        ends at its first token is never live in a decode step)."""
         best: dict[int, int] = {}
         seen: dict[int, dict[int, float]] = {}
+        reach: dict[int, int] = {}
         with measurement_lock():
             for bs in self.points:
                 for k in SCHEDULE_LENS:
@@ -343,13 +347,13 @@ class TunerAgent:
                     if not bad:
                         seen.setdefault(bs, {})[k] = tps[bs]
                 if seen.get(bs):
-                    best[bs] = max(seen[bs], key=seen[bs].get)
+                    best[bs] = choose_draft_len(seen[bs])
+                    batch = [prompts[:2][j % len(prompts[:2])] for j in range(bs)] if bs > 1 else prompts[:1]
+                    reach[bs] = max(1, sum(len(ref[p.id]["stock"][:n]) > 1 for p in batch))
         history.append({"schedule": {str(b): {str(k): round(v, 2) for k, v in d.items()} for b, d in seen.items()}})
         if len(best) != len(self.points):
             return None
-        if self.points[0] != 1:
-            best = {1: best[self.points[0]], **best}
-        text = ",".join(f"{b}:{k}" for b, k in sorted(best.items()))
+        text = schedule_text({first: best[b] for b, first in entry_starts(reach).items()})
         ctx.log("tuner.schedule", f"measured schedule {text}", {"tokens_per_s": history[-1]["schedule"]})
         try:
             cfg = DecodeConfig(**{**base.as_dict(), "load_schedule": text})
