@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(e.g. sd-tree,sd-two-level,sd-dcut,sd-mtp); alone, instead of the drafter x mechanism grid")
     b.add_argument("--batch-schedule", action="store_true",
                    help="with --batch-sizes: per drafter, choose the draft length per batch size from measurements "
-                        "(0 = AR steps) and run that load_schedule against batched AR, instead of the mechanism grid")
+                        "(0 = AR steps; speculation only 3%% ahead of AR), key each by the live requests that batch "
+                        "reaches, and run that load_schedule against batched AR, instead of the mechanism grid")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="with --batch-sizes: runs per configuration, interleaved; the fastest is kept")
     b.add_argument("--peers", help="other engines in the same interleaved run: llama.cpp (build it with `make "
