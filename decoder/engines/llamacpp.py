@@ -392,12 +392,13 @@ def _score_of(out: dict) -> Score:
 BENCH_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def bench_widths(model: Path, *, threads: int, depth: int, widths: Sequence[int] = BENCH_WIDTHS, repetitions: int = 3,
+def bench_widths(model: Path, *, threads: int, depth: int, widths: Sequence[int] = BENCH_WIDTHS, repetitions: int = 5,
                  extra: Sequence[str] = (), bench: Path | None = None, timeout_s: float = 600.0
                  ) -> tuple[dict[int, float], dict[int, float]]:
     """Forward cost of `model` at each width: `llama-bench -p W -n 0 -d DEPTH` (one forward over W tokens after
-    DEPTH tokens of context), mean and standard deviation in ms over `repetitions`. `extra`: the server's fixed
-    flags that llama-bench shares (`--no-repack` becomes `--repack 0`). EngineError (one line) on failure."""
+    DEPTH tokens of context) in ms, the fastest of `repetitions` (on a shared machine the others carry other
+    work's time), and the standard deviation over them. `extra`: the server's fixed flags that llama-bench
+    shares (`--no-repack` becomes `--repack 0`). EngineError (one line) on failure."""
     exe = Path(bench) if bench is not None else binary("llama-bench")
     if not os.access(exe, os.X_OK):
         raise EngineNotBuilt(missing_build_message())
@@ -413,11 +414,11 @@ def bench_widths(model: Path, *, threads: int, depth: int, widths: Sequence[int]
         raise EngineError(f"llama-bench failed ({last[:200]}): {' '.join(cmd)}")
     try:
         rows = json.loads(out.stdout)
-        mean = {int(r["n_prompt"]): float(r["avg_ns"]) / 1e6 for r in rows}
+        fastest = {int(r["n_prompt"]): min(float(x) for x in r.get("samples_ns") or [r["avg_ns"]]) / 1e6 for r in rows}
         std = {int(r["n_prompt"]): float(r["stddev_ns"]) / 1e6 for r in rows}
     except (ValueError, KeyError, TypeError) as exc:
         raise EngineError(f"llama-bench printed no result table ({exc}): {' '.join(cmd)}") from None
-    return mean, std
+    return fastest, std
 
 
 def main(argv: Sequence[str] | None = None) -> int:
