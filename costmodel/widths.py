@@ -18,6 +18,7 @@ cost at each verify width (`llama-bench -p W -n 0 -d CONTEXT`, decoder/engines/l
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,8 +85,6 @@ class WidthProfile:
 def measured_profile(name: str, ms: dict[int, float], roofline_ms: float | None = None,
                      **measured: object) -> WidthProfile:
     """A profile measured now (the time and the load average recorded beside the figures)."""
-    import os
-
     return WidthProfile(name, ms, "llama-bench", {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                                   "load_avg": round(os.getloadavg()[0], 2), **measured}, roofline_ms)
 

@@ -10,6 +10,8 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from costmodel.deployment import MAX_ORACLE_DRAFT_LEN, CostDeployment
 from costmodel.gaps import measured_gaps
 from costmodel.hardware import (
@@ -24,9 +26,12 @@ from costmodel.hardware import (
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
 from costmodel.widths import WidthProfile, measured_profile, width_gaps
+from decoder.engines import EngineError
+from decoder.engines.llamacpp import bench_widths
+from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.stats import DecodeStats, MethodEntry
 from workbench.cascade import paired_load
-from workbench.forcing import run_system
+from workbench.forcing import fixed_server_flags, run_system
 from workbench.measure import load_prompts, profile_entry
 from workbench.workspace import Workspace, WorkspaceError
 
@@ -37,11 +42,6 @@ def width_profile(ws: Workspace, say: Say) -> WidthProfile:
     """A llama.cpp workspace's cost model: the engine's forward cost at each verify width for stock's threads,
     measured with llama-bench at the prompts' mean context, cached in `.specpilot/widths.json` per (model,
     threads, fixed flags, depth)."""
-    from decoder.engines import EngineError
-    from decoder.engines.llamacpp import bench_widths
-    from decoder.engines.llamacpp_config import LlamaCppConfig
-    from workbench.forcing import fixed_server_flags
-
     cfg = LlamaCppConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
     threads = cfg.threads or len(os.sched_getaffinity(0))
     prompts = load_prompts(ws)
@@ -81,8 +81,6 @@ def _memory_bandwidth() -> tuple[float, str]:
         return hw.mem_bandwidth_GBps, f"the {LOCAL} profile ({hw.source})"
     except HardwareError:
         pass
-    import numpy as np
-
     a = np.ones(2**25, dtype=np.float64)  # 256 MiB
     b = np.empty_like(a)
     best = float("inf")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoder.contract import near_tie, near_tie_threshold
+from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
+from decoder.engines.llamacpp_config import LlamaCppConfig
 from workbench.harness import Limits, SystemCrash, SystemProcess
 from workbench.progress import step
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
@@ -107,11 +110,6 @@ def _llama_margins_and_noise(ws: Workspace, rows: list[dict]) -> float:
     the noise floor: the largest margin difference between those one-token forwards and the same positions
     evaluated from scratch in prompt batches, on NOISE_PROMPTS prompts (every NOISE_STRIDE-th position).
     Stock's binary and the deployment's model, run here (they are not candidate files)."""
-    import tempfile
-
-    from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
-    from decoder.engines.llamacpp_config import LlamaCppConfig
-
     cfg = LlamaCppConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
     server = Path(ws.config.engine_bin or "") / "llama-server"
     floor = 0.0

@@ -37,7 +37,11 @@ import decoder
 import kernels
 from decoder.capabilities import refusal
 from decoder.config import ConfigError, DecodeConfig, read_table
+from decoder.engines import EngineError
+from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
+from decoder.engines.llamacpp_build import binary, gguf_path, is_built, missing_build_message
 from decoder.engines.llamacpp_config import LlamaCppConfig
+from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_hf_dir, smollm2_prompts
 from decoder.mechanisms import ENGINES, Contract, contract_for
 from store import Branch, Memory, StoreError, data_dir
 from workbench.harness import sandbox_status, unreadable_for_sandbox
@@ -789,8 +793,6 @@ Prompts: {visible} visible, {hidden} hidden, from {source}. Fixed server flags: 
 
 def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None, Path, Path]:
     """(target GGUF, drafter GGUF or None, tokenizer directory, prompts file) of a named deployment."""
-    from decoder.engines.llamacpp_build import gguf_path
-    from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_hf_dir, smollm2_prompts
     from decoder.models import DEMO_DIR
 
     if deployment == "demo":
@@ -812,15 +814,10 @@ def _probe_server(server: Path, target: Path, cfg: LlamaCppConfig, drafter: Path
     llama.cpp refuses a drafter whose vocabulary differs) and decode a few tokens: the fixed flags the
     deployment needs on this machine ([] or ["--no-repack"] where the repacked quantised kernels use an
     instruction this CPU lacks, e.g. AMX under a VM); WorkspaceError when it cannot run at all."""
-    import tempfile as _tempfile
-
-    from decoder.engines import EngineError
-    from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
-
     last = ""
     spec = ["--spec-type", "draft-simple", "--spec-draft-model", str(drafter)] if drafter is not None else []
     for fixed in ([], ["--no-repack"]):
-        with _tempfile.TemporaryDirectory(prefix="specpilot-probe-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="specpilot-probe-") as tmp:
             srv = LlamaServer(target, SpecSettings(extra=(*cfg.server_flags(), *fixed, *spec)),
                               ServerSettings(threads=cfg.threads or len(os.sched_getaffinity(0)),
                                              ctx_size=cfg.ctx_size),
@@ -875,8 +872,6 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
     deployment: `demo` (the demo target and drafter as bf16 GGUFs) or `smollm2` (SmolLM2-135M-Instruct, Q4_1),
     or on the user's own GGUF (`target`, optional `drafter` GGUF, `tokenizer` directory, `prompts` file).
     Stock runs with speculation off, or with `spec_type`. One request at a time (load batch_sizes = [1])."""
-    from decoder.engines.llamacpp_build import binary, is_built, missing_build_message
-
     path = Path(path).absolute()
     _check_new_folder(path)
     if target is None and deployment not in LLAMA_CPP_DEPLOYMENTS:

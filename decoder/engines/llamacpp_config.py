@@ -13,6 +13,9 @@ stock is the engine's, so stock is llama.cpp as a user starts it, with speculati
 
 from __future__ import annotations
 
+import argparse
+import shlex
+import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -168,10 +171,6 @@ class LlamaCppConfig:
 def main(argv: list[str] | None = None) -> int:
     """`python -m decoder.engines.llamacpp_config SYSTEM_TOML [--drafter D.gguf]`: the llama-server flags of a
     llama.cpp workspace's config (stock's, or what the loop kept), to run it outside SpecPilot."""
-    import argparse
-    import shlex
-    import sys
-
     p = argparse.ArgumentParser(prog="python -m decoder.engines.llamacpp_config", description=main.__doc__)
     p.add_argument("config", type=Path, help="a llama.cpp workspace's system.toml")
     p.add_argument("--drafter", type=Path, default=None, help="the draft model's GGUF (spec_type draft-simple)")
