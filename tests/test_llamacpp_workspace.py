@@ -95,6 +95,9 @@ def test_every_registry_value_is_a_valid_config_and_the_tuner_builds_candidates_
     assert drafting and all(isinstance(x.cfg, LlamaCppConfig) for x in drafting)
     assert {x.cfg.spec_type for x in drafting} == {"ngram-simple", "ngram-map-k", "ngram-mod"}
     assert drafting[0].changes == {"spec_type": "ngram-simple"}  # the switch alone first: the engine's defaults
+    # each type at the engine's defaults is carried to the tuner's last rung whatever its rank at the short one
+    assert [x.changes for x in drafting if x.defaults] == [{"spec_type": t} for t in ("ngram-simple", "ngram-map-k",
+                                                                                      "ngram-mod")]
     host = candidates(base, "host-overhead", [], contract=c)
     assert {"threads"} <= {k for x in host for k in x.changes}
     assert all(x.cfg.threads != 1 or x.changes for x in host)

@@ -41,6 +41,10 @@ class Candidate:
     changes: dict  # DecodeConfig keys changed against the branch's current config
     source: str  # "memory:<name>" or the registry mechanism's name
     cfg: DecodeConfig
+    # A mechanism switched on with its own defaults (the engine's or the decoder's tuned values): carried to the
+    # last rung whatever its rank at a short one, where a mechanism that pays only over longer outputs (an
+    # n-gram drafter that needs a long match first) looks like noise.
+    defaults: bool = False
 
     @property
     def key(self) -> str:
@@ -95,9 +99,13 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
             composed.update(c)
         proposals.append(("memory:" + "+".join(n for n, _ in confs), composed))
     proposals += [(f"memory:{n}", c) for n, c in confs]
+    defaults: list[dict] = []
     for name, m in contract.registry.items():
         if m.family == family and base.device.split(":")[0] in m.devices:
-            proposals += [(name, c) for c in _grid(name, rng, contract)]
+            grid = _grid(name, rng, contract)
+            if any(v in SWITCH_OFF for v in m.stock.values()) and grid:
+                defaults.append(grid[0])  # _grid puts the switch alone first
+            proposals += [(name, c) for c in grid]
     for source, changes in proposals:
         changes = {k: v for k, v in changes.items() if k in cls.__dataclass_fields__
                    and k not in ("dtype", "device", "max_new_tokens", "seed")}
@@ -117,7 +125,8 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
                 continue
             if refuse(cfg):
                 continue
-        c = Candidate({k: v for k, v in changes.items() if base.as_dict().get(k) != v}, source, cfg)
+        c = Candidate({k: v for k, v in changes.items() if base.as_dict().get(k) != v}, source, cfg,
+                      defaults=not source.startswith("memory:") and changes in defaults)
         if c.key not in seen and c.changes:
             seen.add(c.key)
             out.append(c)
@@ -238,7 +247,8 @@ class TunerAgent:
                 if not alive:
                     break
                 if rung < len(self.rungs) - 1:
-                    alive = alive[: max(1, math.ceil(len(alive) * KEEP))]
+                    top = max(1, math.ceil(len(alive) * KEEP))
+                    alive = alive[:top] + [c for c in alive[top:] if c.defaults]
             # The finalist against the current config, interleaved A B B A on every visible prompt:
             # single sequential runs on a shared machine are too noisy to decide on.
             if transferred is None and alive and not ctx.stop.is_set():
