@@ -8,6 +8,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Self
 
 METHODS = ("ar", "sd")
 DRAFTERS = ("draft-model", "ngram", "block", "mtp", "routed")
@@ -178,8 +179,53 @@ def dump_table(table: dict, schema: type | None = None) -> str:
     return "\n".join(["[decode]", *(f"{k} = {_toml_value(table[k])}" for k in keys)]) + "\n"
 
 
+class ConfigTable:
+    """What a config dataclass shares (DecodeConfig; decoder/engines/llamacpp_config.py's LlamaCppConfig): read from
+    a [decode] table key by key, each value checked against its default's type, written back as TOML."""
+
+    LABEL = "decode config"  # how its errors name it
+
+    def to_toml(self) -> str:
+        return dump_table(asdict(self), type(self))
+
+    @classmethod
+    def from_table(cls, table: dict, known_only: bool = False) -> Self:
+        """A config from a [decode] table. `known_only` drops keys this schema does not know (a newer
+        system's knobs) instead of refusing them: for readers that need only the keys they know."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(table) - set(known))
+        if unknown and not known_only:
+            raise ConfigError(f"{cls.LABEL}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        default = cls()
+        kwargs = {}
+        for k, v in table.items():
+            if k not in known:
+                continue
+            want = getattr(default, k)
+            if isinstance(want, float) and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if type(v) is not type(want):
+                raise ConfigError(f"{cls.LABEL}: {k} = {v!r} should be of type {type(want).__name__}")
+            kwargs[k] = v
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, text: str, known_only: bool = False) -> Self:
+        return cls.from_table(read_table(text), known_only)
+
+    @classmethod
+    def load(cls, path: Path) -> Self:
+        return cls.from_toml(Path(path).read_text())
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
-class DecodeConfig:
+class DecodeConfig(ConfigTable):
     method: str = "sd"  # "ar" (target alone) or "sd" (chain speculative decoding)
     drafter: str = "draft-model"  # "draft-model" or "ngram" (prompt lookup)
     draft_len: int = 3  # k: tokens drafted per step (an n-gram match may give fewer)
@@ -302,39 +348,4 @@ class DecodeConfig:
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
 
-    def to_toml(self) -> str:
-        return dump_table(asdict(self))
 
-    @classmethod
-    def from_table(cls, table: dict, known_only: bool = False) -> DecodeConfig:
-        """A config from a [decode] table. `known_only` drops keys this schema does not know (a newer
-        system's knobs) instead of refusing them: for readers that need only the keys they know."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(table) - set(known))
-        if unknown and not known_only:
-            raise ConfigError(f"decode config: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        kwargs = {}
-        for k, v in table.items():
-            if k not in known:
-                continue
-            default = getattr(cls(), k) if k != "method" else "sd"
-            if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if type(v) is not type(default):
-                raise ConfigError(f"decode config: {k} = {v!r} should be of type {type(default).__name__}")
-            kwargs[k] = v
-        return cls(**kwargs)
-
-    @classmethod
-    def from_toml(cls, text: str, known_only: bool = False) -> DecodeConfig:
-        return cls.from_table(read_table(text), known_only)
-
-    @classmethod
-    def load(cls, path: Path) -> DecodeConfig:
-        return cls.from_toml(Path(path).read_text())
-
-    def save(self, path: Path) -> None:
-        Path(path).write_text(self.to_toml())
-
-    def as_dict(self) -> dict:
-        return asdict(self)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from decoder.config import ConfigError, dump_table, read_table
+from decoder.config import ConfigError, ConfigTable
 
 SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
 NGRAM_SIZED = ("ngram-simple", "ngram-map-k", "ngram-map-k4v")  # the types with --spec-<type>-size-n/-m/-min-hits
@@ -28,7 +28,9 @@ MAX_THREADS = 256
 
 
 @dataclass
-class LlamaCppConfig:
+class LlamaCppConfig(ConfigTable):
+    LABEL = "llama.cpp config"
+
     spec_type: str = "none"  # llama-server --spec-type; "none": no speculation (llama.cpp AR)
     draft_n_max: int = 0  # --spec-draft-n-max (ngram-mod: --spec-ngram-mod-n-max): most tokens drafted per step
     draft_n_min: int = 0  # --spec-draft-n-min (ngram-mod: --spec-ngram-mod-n-min: a shorter match drafts nothing)
@@ -129,43 +131,6 @@ class LlamaCppConfig:
             out += ["--poll", str(self.poll)]
         return out
 
-    def to_toml(self) -> str:
-        return dump_table(asdict(self), LlamaCppConfig)
-
-    @classmethod
-    def from_table(cls, table: dict, known_only: bool = False) -> LlamaCppConfig:
-        """A config from a [decode] table (`known_only`: drop keys this schema does not know, else refuse them)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(table) - known)
-        if unknown and not known_only:
-            raise ConfigError(f"llama.cpp config: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        default = cls()
-        kwargs = {}
-        for k, v in table.items():
-            if k not in known:
-                continue
-            want = getattr(default, k)
-            if isinstance(want, float) and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if type(v) is not type(want):
-                raise ConfigError(f"llama.cpp config: {k} = {v!r} should be of type {type(want).__name__}")
-            kwargs[k] = v
-        return cls(**kwargs)
-
-    @classmethod
-    def from_toml(cls, text: str, known_only: bool = False) -> LlamaCppConfig:
-        return cls.from_table(read_table(text), known_only)
-
-    @classmethod
-    def load(cls, path: Path) -> LlamaCppConfig:
-        return cls.from_toml(Path(path).read_text())
-
-    def save(self, path: Path) -> None:
-        Path(path).write_text(self.to_toml())
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def main(argv: list[str] | None = None) -> int:
