@@ -27,16 +27,46 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 from decoder.config import ConfigError, DecodeConfig
 
 MAX_BATCH = 256  # requests in one batched request
 
 
-def _answer(out, obj: dict) -> None:
+def answer(out: TextIO, obj: dict) -> None:
+    """One answer line on the protocol channel."""
     out.write(json.dumps(obj, separators=(",", ":")) + "\n")
     out.flush()
+
+
+def protocol_channel() -> TextIO:
+    """The protocol's own copy of stdout; stdout itself then goes to stderr, so print() and library chatter
+    cannot corrupt the answers."""
+    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return proto
+
+
+def read_requests(lines: Iterable[str], out: TextIO) -> Iterator[dict]:
+    """Each request line as a dict, until {"op": "quit"} or the end of input; a line that is not a JSON object
+    is answered here with a one-line error and skipped."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+        except ValueError as e:
+            answer(out, {"id": None, "error": f"bad request: {e}".splitlines()[0][:300]})
+            continue
+        if req.get("op") == "quit":
+            return
+        yield req
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                         "use); default: TARGET/drafters")
     args = p.parse_args(argv)
 
-    # Keep the protocol channel to ourselves: print() and library chatter go to stderr.
-    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    proto = protocol_channel()
 
     try:
         cfg = DecodeConfig.load(args.config) if args.config else DecodeConfig()
@@ -89,17 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             lean_of[id(model)] = BatchLM(model)
         return lean_of[id(model)]
 
-    _answer(proto, {"ready": True, "config": cfg.as_dict()})
+    answer(proto, {"ready": True, "config": cfg.as_dict()})
 
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        rid = None
+    for req in read_requests(sys.stdin, proto):
+        rid = req.get("id")
         try:
-            req = json.loads(line)
-            if req.get("op") == "quit":
-                break
-            rid = req.get("id")
             batch = req.get("batch")
             if batch is not None:
                 if not isinstance(batch, list) or not batch or len(batch) > MAX_BATCH:
@@ -117,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) exceed the target's "
                                  f"{positions} positions (max_position_embeddings); ask for fewer tokens")
         except (ValueError, KeyError, TypeError) as e:
-            _answer(proto, {"id": rid, "error": f"bad request: {e}".splitlines()[0][:300]})
+            answer(proto, {"id": rid, "error": f"bad request: {e}".splitlines()[0][:300]})
             continue
         try:
             if rcfg.method == "sd" and rcfg.drafter == "draft-model" and drafter is None:
@@ -132,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 ans, stats = {"id": rid, "tokens": gen.tokens}, gen.stats
             if req.get("profile"):
                 ans["stats"] = stats.as_dict()  # the DecodeStats record, as the loop counted it
-            _answer(proto, ans)
+            answer(proto, ans)
         except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
-            _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+            answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
     return 0
 
 

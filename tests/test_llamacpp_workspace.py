@@ -291,3 +291,19 @@ def test_one_loop_round_on_a_llamacpp_workspace(tmp_path, monkeypatch):
     gaps = json.loads(next((ws.state / "gaps").glob("*.json")).read_text())["breakdown"]
     assert {"weights", "compute", "host-overhead", "drafting"} <= set(gaps["families"])
     assert (ws.state / "widths.json").exists()
+
+
+def test_both_systems_read_requests_the_same_way():
+    """decoder.serve and the llama.cpp adapter share the protocol reader: blank lines skipped, a line that is not
+    a JSON object answered with a one-line error (it crashed the server when it was a list), quit ends it."""
+    import io
+
+    from decoder.serve import read_requests
+
+    out = io.StringIO()
+    lines = ['{"id": 1, "prompt_ids": [1]}\n', "\n", "[1, 2]\n", "not json\n", '{"op": "quit"}\n', '{"id": 9}\n']
+    assert [r["id"] for r in read_requests(lines, out)] == [1]
+    errors = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [e["id"] for e in errors] == [None, None]
+    assert errors[0]["error"] == "bad request: a request is a JSON object"
+    assert errors[1]["error"].startswith("bad request: Expecting value")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -31,15 +30,11 @@ from decoder.config import ConfigError
 from decoder.engines import Completion, EngineError
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
 from decoder.engines.llamacpp_config import LlamaCppConfig
+from decoder.serve import answer, protocol_channel, read_requests
 from decoder.stats import DecodeStats
 
 MAX_SERVERS = 2
 FIXED = ("dtype", "device", "max_new_tokens")  # as started / as requested, never per request
-
-
-def _answer(out, obj: dict) -> None:
-    out.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    out.flush()
 
 
 def stats_of(done: Completion) -> dict:
@@ -100,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a flag every server gets, fixed by the deployment (e.g. --no-repack); repeatable")
     args = p.parse_args(argv)
 
-    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    proto = protocol_channel()
     try:
         table_cfg = LlamaCppConfig.load(args.config)
     except (OSError, ConfigError) as e:
@@ -115,17 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve_llamacpp: {e}", file=sys.stderr)
         servers.stop()
         return 2
-    _answer(proto, {"ready": True, "config": table_cfg.as_dict()})
+    answer(proto, {"ready": True, "config": table_cfg.as_dict()})
     try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            rid = None
+        for req in read_requests(sys.stdin, proto):
+            rid = req.get("id")
             try:
-                req = json.loads(line)
-                if req.get("op") == "quit":
-                    break
-                rid = req.get("id")
                 if req.get("batch") is not None:
                     raise ValueError("this llama.cpp system serves one request at a time; use load batch_sizes = [1]")
                 prompt = [int(t) for t in req["prompt_ids"]]
@@ -136,16 +123,16 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) exceed ctx_size "
                                      f"{cfg.ctx_size}; ask for fewer tokens or raise ctx_size in system.toml")
             except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
-                _answer(proto, {"id": rid, "error": f"bad request: {e}".splitlines()[0][:300]})
+                answer(proto, {"id": rid, "error": f"bad request: {e}".splitlines()[0][:300]})
                 continue
             try:
                 done = servers.get(cfg).generate(prompt, n)
                 ans = {"id": rid, "tokens": done.tokens}
                 if req.get("profile"):
                     ans["stats"] = stats_of(done)
-                _answer(proto, ans)
+                answer(proto, ans)
             except Exception as e:  # noqa: BLE001 - report the failure to the harness, keep serving
-                _answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+                answer(proto, {"id": rid, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
     finally:
         servers.stop()
     return 0
