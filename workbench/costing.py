@@ -32,7 +32,7 @@ from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.stats import DecodeStats, MethodEntry
 from workbench.cascade import paired_load
 from workbench.forcing import fixed_server_flags, run_system
-from workbench.measure import load_prompts, profile_entry
+from workbench.measure import load_prompts, measurement_lock, profile_entry
 from workbench.workspace import Workspace, WorkspaceError
 
 Say = Callable[..., None]  # say(message, kind="loop", payload=None): progress line and ledger event
@@ -58,8 +58,9 @@ def width_profile(ws: Workspace, say: Say) -> WidthProfile:
     say(f"measuring llama.cpp's forward cost per verify width for the cost model (llama-bench, {threads} thread(s), "
         f"context {depth})")
     bench = (ws.config.engine_bin / "llama-bench") if ws.config.engine_bin else None
-    try:
-        mean, std = bench_widths(ws.config.target, threads=threads, depth=depth, extra=fixed, bench=bench)
+    try:  # under the measurement lock: no other SpecPilot timing (a paired benchmark, a tuner) runs beside it
+        with measurement_lock():
+            mean, std = bench_widths(ws.config.target, threads=threads, depth=depth, extra=fixed, bench=bench)
     except EngineError as e:
         raise WorkspaceError(f"the llama.cpp cost model: {e}") from None
     bandwidth, how = _memory_bandwidth()
