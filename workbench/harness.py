@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from workbench.gate import untimed
 from workbench.progress import current_branch
 
 NO_SANDBOX_WARNING = ("NO SANDBOX: the candidate ran with this user's full file-system and network access "
@@ -275,6 +276,12 @@ class SystemProcess:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> dict:
+        """Start the system and wait for its ready line: untimed work, so never beside a timed run
+        (`workbench.gate`)."""
+        with untimed():
+            return self._start()
+
+    def _start(self) -> dict:
         ok, why = sandbox_status()
         use = ok if self.sandbox is None else self.sandbox
         if use and not ok:
@@ -432,8 +439,14 @@ class SystemProcess:
         return TimedBatch(outs, seconds, stats)
 
     def _request(self, body: dict, config: dict | None, profile: bool) -> tuple[dict, int, float]:
-        """Send one request, wait for its answer; (answer, id, seconds from writing to the whole answer)."""
+        """Send one request, wait for its answer; (answer, id, seconds from writing to the whole answer).
+        Outside a timed run the request is untimed work: it waits while another is timed (`workbench.gate`),
+        and its clock starts when it is sent."""
         assert self.proc is not None, "start() first"
+        with untimed():
+            return self._send(body, config, profile)
+
+    def _send(self, body: dict, config: dict | None, profile: bool) -> tuple[dict, int, float]:
         self._next_id += 1
         rid = self._next_id
         req: dict = {"id": rid, **body}

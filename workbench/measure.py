@@ -14,40 +14,22 @@ B's speedup over A.
 
 from __future__ import annotations
 
-import fcntl
 import math
 import os
 import random
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decoder.stats import DecodeStats, MethodEntry
-from store import data_dir
 from workbench.forcing import forcing_prompt_texts
+from workbench.gate import measurement_lock
 from workbench.harness import SystemProcess
 from workbench.progress import step
 
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
-_local_lock = threading.Lock()
 _rng = random.SystemRandom()
-
-
-@contextmanager
-def measurement_lock() -> Iterator[None]:
-    """Exclusive use of the machine for timed work: across threads here and processes elsewhere."""
-
-    path = data_dir() / "measure.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _local_lock, open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import contextvars
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +33,14 @@ class _Tracker:
     phase: str = ""
     phase_started: float = 0.0
     written: float = 0.0
+    done: int | None = None
+    total: int | None = None
+    detail: str = ""
+    forward: Callable[[dict], None] | None = None  # also hands each written report to this (e.g. a Ray head)
 
     def step(self, phase: str, done: int | None, total: int | None, detail: str) -> None:
         now = time.time()
+        self.done, self.total, self.detail = done, total, detail
         if phase != self.phase:
             self.phase, self.phase_started = phase, now
         elif now - self.written < MIN_INTERVAL_S and not (done is not None and done == total):
@@ -49,6 +54,11 @@ class _Tracker:
             os.replace(tmp, self.path)
         except OSError:
             pass  # progress is a view: a full disk must not fail the work
+        if self.forward is not None:
+            try:
+                self.forward(rec)
+            except Exception:  # noqa: BLE001 - a view: a lost receiver never fails the work
+                pass
 
 
 _current: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("specpilot_progress", default=None)
@@ -59,13 +69,15 @@ def progress_dir(state_dir: Path) -> Path:
 
 
 @contextmanager
-def tracking(state_dir: Path, branch: str, *, keep: bool = False) -> Iterator[None]:
+def tracking(state_dir: Path, branch: str, *, keep: bool = False,
+             forward: Callable[[dict], None] | None = None) -> Iterator[None]:
     """Reports from this thread go to `branch` for the block. The file is removed at the end unless
-    `keep` (work that continues in another step, e.g. an agent done and waiting for its evaluation)."""
+    `keep` (work that continues in another step, e.g. an agent done and waiting for its evaluation).
+    `forward(report)` also receives each report written (a Ray node relays its evaluation's to the head)."""
     d = progress_dir(state_dir)
     d.mkdir(parents=True, exist_ok=True)
     outer = _current.get()
-    tr = _Tracker(d / f"{branch}.json", branch)
+    tr = _Tracker(d / f"{branch}.json", branch, forward=forward)
     if outer is not None and outer.branch == branch:
         tr.started = outer.started
     else:
@@ -93,6 +105,18 @@ def step(phase: str, done: int | None = None, total: int | None = None, detail: 
     tr = _current.get()
     if tr is not None:
         tr.step(phase, done, total, detail)
+
+
+def note(detail: str) -> str:
+    """Replace the detail of the current branch's phase (its counts kept), e.g. while its work waits;
+    returns the detail it replaced ("" outside `tracking`)."""
+    tr = _current.get()
+    if tr is None:
+        return ""
+    before = tr.detail
+    tr.written = 0.0  # shown at once
+    tr.step(tr.phase, tr.done, tr.total, detail)
+    return before
 
 
 def pid_alive(pid: object) -> bool:
