@@ -8,6 +8,8 @@ the cluster's tests skip."""
 from __future__ import annotations
 
 import importlib.util
+import io
+import json
 import subprocess
 import sys
 import threading
@@ -53,9 +55,38 @@ def test_settings_come_from_flags_over_the_table_and_bad_values_are_named():
     assert s.kind == "local"
     assert ExecutorSettings.resolve(None, None, None).kind == "local"
     for table, word in (({"kind": "dask"}, "dask"), ({"max_retries": -1}, "max_retries = -1"),
-                        ({"resource": ""}, "resource = ''"), ({"nodes": 3}, "nodes"), ("ray", "'ray'")):
+                        ({"resource": ""}, "resource = ''"), ({"nodes": 3}, "nodes"), ("ray", "'ray'"),
+                        ({"per_node": 0}, "per_node = 0"), ({"per_node": 2.5}, "per_node = 2.5"),
+                        ({"per_node": True}, "per_node = True"), ({"per_node": 9}, "from 1 to 8")):
         with pytest.raises(ExecutorError, match=word):
             ExecutorSettings.resolve(None, None, table)
+
+
+def test_evaluations_share_a_node_in_parts_ray_can_hold():
+    assert ExecutorSettings.resolve(None, None, None).per_node == 2
+    for n in range(1, 9):  # Ray keeps 4 decimals: n parts must still fit in the node's one unit
+        share = ExecutorSettings(per_node=n).share
+        assert share * n <= 1.0 and share > 1 / n - 1e-4 and round(share, 4) == share
+    assert ExecutorSettings(per_node=1).share == 1.0 and ExecutorSettings(per_node=3).share == 0.3333
+
+
+def test_the_board_relays_each_nodes_phase_and_its_pauses():
+    from workbench.executor import _Board, running_line
+    from workbench.gate import PAUSED
+
+    board = _Board()
+    board.report("r1-a", "aaaaaaaa11", "10.0.0.2", "start", "")
+    board.report("r1-b", "aaaaaaaa11", "10.0.0.2", "start", "")
+    board.report("r1-a", "aaaaaaaa11", "10.0.0.2", "step", json.dumps({"phase": "bench", "detail": "pass 1"}))
+    board.report("r1-b", "aaaaaaaa11", "10.0.0.2", "step", json.dumps({"phase": "forcing", "detail": PAUSED}))
+    board.report("r1-b", "bbbbbbbb22", "10.0.0.3", "step", json.dumps({"phase": "smoke"}))  # a lost node's late word
+    running, lines, steps = board.take()
+    assert lines == [("r1-a", "aaaaaaaa11", "start"), ("r1-b", "aaaaaaaa11", "start")]  # steps are not lines
+    line = running_line(running, {b: json.loads(t) for b, t in steps.items()})
+    assert line == "node aaaaaaaa (10.0.0.2): r1-a [bench]; node aaaaaaaa (10.0.0.2): r1-b [forcing, paused]"
+    board.report("r1-a", "aaaaaaaa11", "10.0.0.2", "end", "")
+    running, _lines, steps = board.take()
+    assert set(running) == set(steps) == {"r1-b"}
 
 
 def test_a_record_the_head_cannot_store_is_malformed():
@@ -113,6 +144,24 @@ def test_executor_errors_are_one_line_with_a_documented_status(tmp_path):
     if HAVE_RAY:
         r = _auto(*base, "--executor", "ray", "--ray-address", "127.0.0.1:1")
         assert r.returncode == 6 and r.stderr.count("\n") == 1 and "cannot reach" in r.stderr, r.stderr
+    # The interactive app: the same settings and errors, before Textual starts.
+    app = ["--workspace", str(ws.path)]
+    r = _auto(*app)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "'k8s'" in r.stderr, r.stderr
+    (ws.path / "specpilot.toml").write_text((ws.path / "specpilot.toml").read_text().replace('"k8s"', '"ray"')
+                                            + "per_node = 0\n")
+    r = _auto(*app)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "per_node = 0" in r.stderr, r.stderr
+    r = _auto(*app, "--executor", "ray", pre="sys.modules['ray'] = None  # as if not installed")
+    assert r.returncode == 2 and "per_node = 0" in r.stderr, r.stderr  # the table's error comes first
+    (ws.path / "specpilot.toml").write_text((ws.path / "specpilot.toml").read_text().replace("per_node = 0\n", ""))
+    r = _auto(*app, "--executor", "local", "--ray-address", "127.0.0.1:1")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "only with --executor ray" in r.stderr, r.stderr
+    r = _auto(*app, "--executor", "ray", pre="sys.modules['ray'] = None  # as if not installed")
+    assert r.returncode == 6 and r.stderr.splitlines()[-1].startswith("error: --executor ray: Ray is not installed")
+    if HAVE_RAY:
+        r = _auto(*app, "--executor", "ray", "--ray-address", "127.0.0.1:1")
+        assert r.returncode == 6 and "cannot reach" in r.stderr.splitlines()[-1], r.stderr
 
 
 # -- a local multi-node cluster ---------------------------------------------------------------------------
@@ -121,7 +170,7 @@ def test_executor_errors_are_one_line_with_a_documented_status(tmp_path):
 @pytest.fixture(scope="module")
 def cluster():
     """A head (no evaluation slot: the store and git stay there) and two worker nodes with one `cpu_eval`
-    each; small, for a shared 2-core machine."""
+    each (the first one also `cpu_eval_solo`); small, for a shared 2-core machine."""
     if not HAVE_RAY:
         pytest.skip("ray is not installed (pip install -e .[ray])")
     import ray
@@ -129,7 +178,9 @@ def cluster():
 
     small = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
     c = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
-    workers = [c.add_node(**small, resources={"cpu_eval": 1}) for _ in range(2)]
+    # The first worker also offers `cpu_eval_solo`: evaluations asking for it share that one node.
+    workers = [c.add_node(**small, resources={"cpu_eval": 1, **({"cpu_eval_solo": 1} if i == 0 else {})})
+               for i in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
     yield c, workers
@@ -229,6 +280,91 @@ def test_a_round_on_the_cluster_keeps_what_the_local_executor_keeps(tmp_path, cl
 
 @pytest.mark.slow
 @needs_demo
+def test_two_evaluations_share_one_node_untimed_and_keep_their_verdicts(tmp_path, cluster):
+    """per_node = 2 on one node (the `cpu_eval_solo` worker): a round's two candidates are evaluated there at
+    once (both on the board together), their untimed stages side by side, their timed stages through the
+    machine's timing gate; the verdicts are the clear ones (the lean forward kept, the verifier that trusts
+    the drafter discarded by forcing), each attempt stored once."""
+    from workbench.agents.base import Direction
+    from workbench.loop import Loop, LoopOptions
+
+    script = {"host-overhead": LEAN, "acceptance": NO_VERIFY}
+    ws = init_demo(tmp_path / "demo", **SMALL)
+    lines, say = _lines()
+    ev = RayEvaluator(ExecutorSettings("ray", resource="cpu_eval_solo", per_node=2), say)
+    loop = Loop(ws, LoopOptions(rounds=1, agents=2, budget_minutes=60, use_global_memory=False, auto_accept=False),
+                progress=say, evaluator=ev)
+    loop.make_agent = lambda: _Scripted(script)
+    loop.directions = lambda bd, _ex, _base=None: [Direction(f, 1.0, "pinned by the test") for f in script]
+    s = loop.run()
+    ev.shutdown()
+    (r,) = s["rounds"]
+    got = {a["branch"]: a["status"] for a in r["attempts"]}
+    assert got == {"r1-host-overhead-scripted": "keep", "r1-acceptance-scripted": "discard"}, r["attempts"]
+    stages = {b: [(e.stage, e.status) for e in ws.memory.list_evaluations(ws.branch(b).id)] for b in got}
+    assert stages["r1-acceptance-scripted"] == [("smoke", "keep"), ("forcing", "discard")], stages
+    assert [x[0] for x in stages["r1-host-overhead-scripted"]] == ["smoke", "forcing", "bench"], stages
+    together = [ln for ln in lines if ln.startswith("ray: running evaluations: ")
+                and all(b in ln for b in got) and ln.count(f"node {cluster[1][0].node_id[:8]}") == 2]
+    assert together, [ln for ln in lines if ln.startswith("ray: ")]  # both on the one node at once
+    print(f"seen paused: {any('paused' in ln for ln in lines)}", file=sys.stderr)
+    ws.close()
+
+
+@pytest.mark.slow
+@needs_demo
+def test_the_tui_evaluates_on_the_cluster_and_shows_each_node(tmp_path, cluster):
+    """The interactive app on a Ray executor: E re-evaluates a hand-made branch on a worker node, the
+    Overview names the cluster and the node the evaluation runs on, the verdict arrives as a toast and the
+    store holds its stages once (written by the head)."""
+    import asyncio
+
+    from tests.test_tui import machine_profiled_before, make_branch, opened, select_row, until
+    from workbench.tui.app import make_app
+
+    ws = init_demo(tmp_path / "demo", **SMALL)
+    make_branch(ws, "lean", *LEAN[:3])
+    machine_profiled_before()
+    ev = RayEvaluator(ExecutorSettings("ray"))
+    seen: list[str] = []
+
+    def overview(app) -> str:
+        from rich.console import Console
+
+        con = Console(width=120, record=True, file=io.StringIO())
+        con.print(app.query_one("#deployment").content)  # what the Overview shows, as text
+        return con.export_text()
+
+    async def go():
+        app = make_app(ws.path, poll_s=0.3, blink=False, evaluator=ev)
+        async with app.run_test(notifications=True, size=(120, 40)) as pilot:
+            await opened(pilot)
+            shown = overview(app)
+            assert "evaluations" in shown and "Ray cluster at auto: 2 evaluation node(s) (cpu_eval)" in shown, shown
+            await pilot.press("2")
+            await until(pilot, lambda: "lean" in app.query_one("#branches-table").rows, 10, "its row")
+            select_row(app, "#branches-table", "lean")
+            await pilot.press("E")
+            await until(pilot, lambda: "lean" in app.running_evaluations, 600, "the evaluation on a node")
+            await pilot.press("1")
+            await until(pilot, lambda: "running: node " in overview(app), 10, "the node on the Overview")
+            seen.append(overview(app))
+            await until(pilot, lambda: any(n.message.startswith("lean: ") for n in app._notifications), 1200,
+                        "the verdict")
+            seen.extend(n.message for n in app._notifications)
+            assert not [n for n in app._notifications if n.severity == "error"], seen
+
+    asyncio.run(go())
+    ev.shutdown()
+    print(seen, file=sys.stderr)
+    assert any(m.startswith("lean: keep") for m in seen), seen
+    stages = [e.stage for e in ws.memory.list_evaluations(ws.branch("lean").id)]
+    assert stages == ["smoke", "forcing", "bench"], stages
+    ws.close()
+
+
+@pytest.mark.slow
+@needs_demo
 def test_a_worker_killed_mid_evaluation_costs_a_retry_not_the_attempt(tmp_path, cluster):
     from workbench.forcing import stock_reference
     from workbench.loop import Loop, LoopOptions
@@ -280,7 +416,6 @@ def test_the_head_killed_mid_evaluation_resumes_and_submits_it_again(tmp_path, r
     own cascade); the same command again finishes the round: the branch's commit is evaluated again (its
     agent is not re-run) and the attempt is in the round once. Ray: its stages are in the store once too
     (a node never writes it); local: the interrupted cascade's stages stay in the append-only ledger."""
-    import json
     import os
     import signal
     import sqlite3

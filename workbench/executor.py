@@ -13,15 +13,19 @@ and sandbox, and returns the evaluation record: the attempt and every stage it r
 store. The head checks the record and writes it into the real store: nodes never write the store, the
 memory or the head's git. A record the head cannot read is a crash of that candidate, not of the loop.
 
-Placement: a task needs one unit of the deployment's resource (`cpu_eval` here, e.g. `h200` on a GPU
-cluster; nodes are started with `--resources '{"cpu_eval": 1}'`), so a node runs one evaluation, and
-so one timed pair, at a time. A node that dies mid-evaluation costs a retry on another node (Ray's
+Placement: a node offers one unit of the deployment's resource (`cpu_eval` here, e.g. `h200` on a GPU
+cluster; nodes are started with `--resources '{"cpu_eval": 1}'`) and a task takes 1 / `per_node` of it
+(default 2), so a node runs up to `per_node` evaluations at once. Their untimed stages (start-up, smoke,
+forcing) run side by side; their paired benchmarks take the machine's timing gate (`workbench.gate`) one
+at a time, and untimed work on that machine pauses at its next request while one is timed: one timed
+pair per machine, nothing beside it. A node that dies mid-evaluation costs a retry on another node (Ray's
 task retries, bounded by `max_retries`); the attempt is recorded once, by the head, when a task returns.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -38,13 +42,17 @@ from typing import Any
 from store import EVALUATION_STATUSES
 from workbench.cascade import Attempt, evaluate
 from workbench.forcing import stock_reference
-from workbench.progress import step
+from workbench.gate import PAUSED
+from workbench.progress import step, tracking
 from workbench.safegit import hardened
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
 EXECUTORS = ("local", "ray")
 DEFAULT_RESOURCE = "cpu_eval"
 DEFAULT_RETRIES = 2
+DEFAULT_PER_NODE = 2
+MAX_PER_NODE = 8
+SETTING_KEYS = ("kind", "address", "resource", "num_gpus", "max_retries", "per_node")
 RECORD_VERSION = 1
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # Ray sets these in its workers; the candidate gets the head's
 BRANCH_STATUS = {"keep": "kept", "discard": "discarded", "crash": "crashed", "rejected": "rejected"}
@@ -59,9 +67,10 @@ class ExecutorError(Exception):
 class ExecutorSettings:
     kind: str = "local"
     address: str | None = None  # host:port of a running cluster, "auto" (RAY_ADDRESS or this machine's), "local"
-    resource: str = DEFAULT_RESOURCE  # one unit per evaluation; a node offers 1 (one timed pair at a time)
+    resource: str = DEFAULT_RESOURCE  # a node offers 1 unit; an evaluation takes 1 / per_node of it
     num_gpus: float = 0.0
     max_retries: int = DEFAULT_RETRIES
+    per_node: int = DEFAULT_PER_NODE  # evaluations sharing a node: untimed stages together, timed ones in turn
 
     @classmethod
     def resolve(cls, kind: str | None, address: str | None, table: dict | None, where: str = "[executor]"
@@ -70,10 +79,9 @@ class ExecutorSettings:
         if table is not None and not isinstance(table, dict):
             raise ExecutorError(f"{where} = {table!r}: write a table, e.g. [executor] kind = \"ray\"")
         t = dict(table or {})
-        unknown = sorted(set(t) - {"kind", "address", "resource", "num_gpus", "max_retries"})
+        unknown = sorted(set(t) - set(SETTING_KEYS))
         if unknown:
-            raise ExecutorError(f"{where}: unknown key(s) {', '.join(unknown)}; known: kind, address, resource, "
-                                f"num_gpus, max_retries")
+            raise ExecutorError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SETTING_KEYS)}")
         kind = kind or t.get("kind", "local")
         if kind not in EXECUTORS:
             raise ExecutorError(f"executor {kind!r}: use one of {', '.join(EXECUTORS)}")
@@ -89,7 +97,21 @@ class ExecutorSettings:
             raise ExecutorError(f"{where}: max_retries = {retries!r}; use an integer from 0 to 10")
         if address is not None and (not isinstance(address, str) or not address.strip()):
             raise ExecutorError(f"{where}: address = {address!r}; use host:port, auto or local")
-        return cls(kind, address, resource, float(gpus), retries)
+        per_node = t.get("per_node", DEFAULT_PER_NODE)
+        if isinstance(per_node, bool) or not isinstance(per_node, int) or not 1 <= per_node <= MAX_PER_NODE:
+            raise ExecutorError(f"{where}: per_node = {per_node!r}; use an integer from 1 to {MAX_PER_NODE} (the "
+                                f"evaluations one node runs at once; 1 = one evaluation per node)")
+        return cls(kind, address, resource, float(gpus), retries, per_node)
+
+    @property
+    def share(self) -> float:
+        """The part of a node's resource one evaluation takes (Ray keeps 4 decimals: 1/3 -> 0.3333)."""
+        return _ray_quantity(1 / self.per_node)
+
+
+def _ray_quantity(x: float) -> float:
+    """A fractional resource amount as Ray keeps it (4 decimals), rounded down so `per_node` of them fit."""
+    return math.floor(x * 10_000 + 1e-9) / 10_000
 
 
 # -- the payload (head) ---------------------------------------------------------------------------------
@@ -178,8 +200,10 @@ def evaluate_payload(payload: dict, report: Callable[[str, str], None] | None = 
                 if report:
                     report("say", msg)
 
-            att = evaluate(ws, branch, payload["base"], float(payload["base_ar"]), float(payload["ceiling"]),
-                           min_gain=float(payload["min_gain"]), progress=say)
+            relay = (lambda rec: report("step", json.dumps(rec))) if report else None
+            with tracking(state, branch, forward=relay):  # the cascade's steps, relayed to the head's board
+                att = evaluate(ws, branch, payload["base"], float(payload["base_ar"]), float(payload["ceiling"]),
+                               min_gain=float(payload["min_gain"]), progress=say)
             forcing = {f.evaluation_id: {**f.details, "match_rate": f.match_rate,
                                          "positions_checked": f.positions_checked, "mismatches": f.mismatches}
                        for f in ws.memory.list_forcing_reports(b.id)}
@@ -246,11 +270,13 @@ def check_record(record: object, branch: str, head: str) -> dict:
 
 
 def apply_record(ws: Workspace, branch: str, base: str, record: dict) -> Attempt:
-    """Write a checked record's stages into the store (once) and return its attempt."""
+    """Write a checked record's stages into the store (once, all or none: one transaction) and return
+    its attempt."""
     b = ws.branch(branch)
-    for e in record["evaluations"]:
-        ws.memory.add_evaluation(b.id, e["stage"], e["status"], e["reason"], metrics=e["metrics"],
-                                 forcing=e.get("forcing"))
+    with ws.memory.transaction():
+        for e in record["evaluations"]:
+            ws.memory.add_evaluation(b.id, e["stage"], e["status"], e["reason"], metrics=e["metrics"],
+                                     forcing=e.get("forcing"))
     a = record["attempt"]
     noise = record.get("noise")
     if isinstance(noise, str):  # the base's noise floor, measured there: cached here like a local one
@@ -313,22 +339,43 @@ class _Board:
     def __init__(self) -> None:
         self.running: dict[str, tuple[str, str]] = {}  # branch -> (node, ip)
         self.lines: list[tuple[str, str, str]] = []  # (branch, node, message)
+        self.steps: dict[str, str] = {}  # branch -> its cascade's latest progress report (JSON), while running
 
     def report(self, branch: str, node: str, ip: str, kind: str, msg: str) -> None:
+        if kind == "step":
+            if self.running.get(branch, ("",))[0] == node:
+                self.steps[branch] = msg
+            return
         if kind == "start":
             self.running[branch] = (node, ip)
+            self.steps.pop(branch, None)
         elif kind == "end":
             if self.running.get(branch, ("",))[0] == node:
                 self.running.pop(branch, None)
+                self.steps.pop(branch, None)
         self.lines.append((branch, node, msg if kind == "say" else kind))
 
-    def take(self) -> tuple[dict, list]:
+    def take(self) -> tuple[dict, list, dict]:
         lines, self.lines = self.lines, []
-        return dict(self.running), lines
+        return dict(self.running), lines, dict(self.steps)
 
 
 def node_label(node: str, ip: str = "") -> str:
     return f"node {node[:8]}" + (f" ({ip})" if ip else "")
+
+
+def running_line(running: dict[str, tuple[str, str]], steps: dict[str, dict]) -> str:
+    """The running evaluations per node, each with its cascade's phase (and whether it waits for another
+    evaluation's timed run on that machine): "node 1a2b3c4d (10.0.0.2): r1-x [forcing, paused]; ..."."""
+    def phase(branch: str) -> str:
+        rec = steps.get(branch) or {}
+        what = str(rec.get("phase") or "")
+        if rec.get("detail") == PAUSED:
+            what = f"{what}, paused" if what else "paused"
+        return f" [{what}]" if what else ""
+
+    return "; ".join(f"{node_label(n, ip)}: {b}{phase(b)}"
+                     for b, (n, ip) in sorted(running.items(), key=lambda x: (x[1], x[0])))
 
 
 def _reachable(address: str) -> str | None:
@@ -390,14 +437,16 @@ class RayEvaluator:
         self.board = ray.remote(num_cpus=0, max_restarts=0)(_Board).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
         self.task = ray.remote(_remote_evaluate).options(
-            num_cpus=0, num_gpus=settings.num_gpus, resources={settings.resource: 1},
-            max_retries=settings.max_retries, retry_exceptions=False)
+            num_cpus=0, num_gpus=_ray_quantity(settings.num_gpus / settings.per_node),
+            resources={settings.resource: settings.share}, max_retries=settings.max_retries, retry_exceptions=False)
         self.nodes = int(have)
-        self.progress(f"ray: {self.nodes} evaluation slot(s) ({settings.resource}) on "
+        self.progress(f"ray: {self.nodes} evaluation node(s) ({settings.resource}), {settings.per_node} evaluation(s) "
+                      f"at once on each (untimed stages together, timed ones in turn) on "
                       f"{sum(1 for n in ray.nodes() if n.get('Alive'))} node(s); at most "
                       f"{settings.max_retries} retries when a node dies")
         self._lock = threading.Lock()
         self._shown = ""
+        self.steps: dict[str, dict] = {}  # branch -> its node's latest progress report
         self._says: dict[str, Say] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="ray-board")
@@ -412,15 +461,22 @@ class RayEvaluator:
     def poll(self) -> dict:
         """Print the board's new lines and, when it changed, the running evaluations per node."""
         try:
-            running, lines = self.ray.get(self.board.take.remote(), timeout=10)
+            running, lines, steps = self.ray.get(self.board.take.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - a view only
             return {}
         with self._lock:
             for branch, node, msg in lines:  # the cascade's lines, through the loop's say when it gave one
                 if msg not in ("start", "end"):
                     self._says.get(branch, self.progress)(f"  [{node[:8]}] {msg.strip()}")
-            shown = "; ".join(f"{node_label(n, ip)}: {b}" for b, (n, ip) in sorted(running.items(),
-                                                                                  key=lambda x: x[1]))
+            self.steps = {}
+            for branch, text in steps.items():
+                try:
+                    rec = json.loads(text)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    self.steps[branch] = rec
+            shown = running_line(running, self.steps)
             if shown != self._shown:
                 self._shown = shown
                 self.progress(f"ray: running evaluations: {shown or 'none'}")
@@ -446,8 +502,13 @@ class RayEvaluator:
                 if ready:
                     break
                 running = self.poll()
-                if branch in running:
-                    step("evaluating on the Ray cluster", detail=node_label(*running[branch]))
+                if branch in running:  # the node's own progress report, under its node's name
+                    rec = self.steps.get(branch) or {}
+                    where = node_label(*running[branch])
+                    step(str(rec.get("phase") or "evaluating on the Ray cluster"),
+                         rec.get("done") if isinstance(rec.get("done"), int) else None,
+                         rec.get("total") if isinstance(rec.get("total"), int) else None,
+                         f"{where}: {rec['detail']}" if rec.get("detail") else where)
             try:
                 record = self.ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a node lost more often than the retries allow, or Ray's own error

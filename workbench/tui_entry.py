@@ -1,6 +1,6 @@
 """`specpilot-tui`: the Textual workbench, or with `--auto` the same loop headless.
 
-    specpilot-tui [--workspace PATH]
+    specpilot-tui [--workspace PATH] [--executor local|ray] [--ray-address ADDR]
     specpilot-tui --auto --workspace PATH [--rounds N] [--agents K] [--agent tuner|llm]
                   [--budget-minutes M] [--json] [--executor local|ray] [--ray-address ADDR]
 
@@ -15,6 +15,9 @@ Exit status (--auto):
     5  internal failure (one line on stderr; the workspace stays recoverable)
     6  the executor could not start (Ray not installed, the cluster unreachable or without the
        evaluation resource; one line on stderr)
+
+The interactive app takes --executor and --ray-address too (its launches, re-evaluations and loop rounds
+evaluate there; the Overview shows the running evaluations per node) and exits 2 or 6 the same way.
 """
 
 from __future__ import annotations
@@ -162,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_auto(args)
     from workbench.tui.app import main as tui_main  # Textual only here
 
-    return tui_main(["--workspace", args.workspace] if args.workspace else [])
+    return tui_main([*(["--workspace", args.workspace] if args.workspace else []),
+                     *(["--executor", args.executor] if args.executor else []),
+                     *(["--ray-address", args.ray_address] if args.ray_address else [])])
 
 
 if __name__ == "__main__":

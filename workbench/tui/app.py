@@ -12,10 +12,10 @@ store is polled about once a second, so the app shows the same whether the loop 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +43,8 @@ from textual.widgets import (
 )
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from workbench.cli_util import OneLineParser, fail
+from workbench.executor import EXECUTORS, ExecutorError, ExecutorSettings, LocalEvaluator, make_evaluator
 from workbench.harness import cancel_branch as kill_branch_systems
 from workbench.tui import data
 from workbench.tui.screens import ConfirmScreen, KeysScreen, LaunchScreen, TextInputScreen, TextViewScreen
@@ -208,9 +210,15 @@ class SpecPilotApp(App[int]):
     ]
 
     def __init__(self, workspace: Path, *, create_demo: bool = False, demo_options: dict | None = None,
-                 poll_s: float = 1.0, blink: bool = True) -> None:
+                 poll_s: float = 1.0, blink: bool = True, evaluator: Any = None) -> None:
         super().__init__()
         self.workspace_path = workspace
+        # Where launches, re-evaluations and loop rounds evaluate (workbench.executor): here, or a Ray cluster.
+        self.evaluator = evaluator or LocalEvaluator()
+        self.evaluations = executor_summary(self.evaluator)
+        self.running_evaluations = ""  # the Ray cluster's running evaluations per node, from its board
+        if hasattr(self.evaluator, "progress"):
+            self.evaluator.progress = self.executor_progress
         self.create_demo = create_demo
         self.demo_options = demo_options or {}
         self.poll_s = poll_s
@@ -256,6 +264,17 @@ class SpecPilotApp(App[int]):
                 with TabPane(label, id=tab):
                     yield pane
         yield Footer(compact=True)
+
+    def executor_progress(self, msg: str) -> None:
+        """The executor's lines (its watcher thread): the per-node running evaluations are kept for the
+        Overview; the nodes' cascade lines are in the Log tab through the store already."""
+        prefix = "ray: running evaluations: "
+        if msg.startswith(prefix):
+            self.running_evaluations = msg[len(prefix):]
+
+    def evaluations_line(self) -> str:
+        running = self.running_evaluations
+        return self.evaluations + (f"; running: {running}" if running and self.evaluator.kind == "ray" else "")
 
     def ui_alive(self) -> bool:
         """False while the app shuts down: a worker's late message then has nothing to update."""
@@ -341,7 +360,7 @@ class SpecPilotApp(App[int]):
         """Runs the agent in a daemon thread and follows it, so quitting never waits for a long run: the
         worker ends on cancel, the agent's harness processes die with the app (`recover` sorts the rest)."""
         branch = data.free_branch_name(self.ws, kind, family)
-        launch = data.Launch(self.ws, kind, family, branch)
+        launch = data.Launch(self.ws, kind, family, branch, evaluator=self.evaluator)
         self.call_from_thread(self._register_launch, branch, launch)
         done, attempt = _follow(launch.run, f"agent-{branch}", on_cancel=launch.stop,
                                 on_error=lambda: self.post_message(LaunchFinished(branch, None)))
@@ -400,7 +419,7 @@ class SpecPilotApp(App[int]):
         self.snapshot = snap
         self.last_event_id = snap.last_event_id
         ws_path = str(self.ws.path)
-        self.overview.show(snap, ws_path)
+        self.overview.show(snap, ws_path, self.evaluations_line())
         self.branches.show(snap.branches, self.live)
         self.log_pane.add(snap.events, ws_path)
         forced = [b.name for b in snap.branches if b.forcing_report_id is not None]
@@ -605,7 +624,7 @@ class SpecPilotApp(App[int]):
 
     def reevaluate(self, branch: str) -> None:
         def run() -> str:
-            a = data.reevaluate(self.ws, branch)
+            a = data.reevaluate(self.ws, branch, self.evaluator)
             return f"{branch}: {a.get('status')}: {a.get('reason')}"
 
         self._start_on(branch, "re-evaluate", f"re-evaluating {branch} (guard, smoke, forcing, paired benchmark)", run,
@@ -633,7 +652,7 @@ class SpecPilotApp(App[int]):
             return
 
         def run() -> str:
-            s = data.run_loop_round(self.ws)
+            s = data.run_loop_round(self.ws, evaluator=self.evaluator)
             r = s["rounds"][-1] if s["rounds"] else None
             return (f"round {r['index']} done: final {s['final_speedup']:.2f}x over AR" if r and s["final_speedup"]
                     else f"loop: {s['status']}")
@@ -755,27 +774,71 @@ class SpecPilotApp(App[int]):
         self.exit(0)
 
 
+def executor_summary(evaluator: Any) -> str:
+    """Where the app's evaluations run, in one line for the Overview."""
+    if evaluator.kind != "ray":
+        return "here (local executor)"
+    st = evaluator.settings
+    return (f"Ray cluster at {st.address or 'auto'}: {evaluator.nodes} evaluation node(s) ({st.resource}), "
+            f"{st.per_node} at once on each")
+
+
 def make_app(workspace: str | Path | None = None, *, demo_options: dict | None = None, poll_s: float = 1.0,
-             blink: bool = True) -> SpecPilotApp:
-    """The app for a workspace; with none, the demo workspace (created on first run)."""
+             blink: bool = True, evaluator: Any = None) -> SpecPilotApp:
+    """The app for a workspace; with none, the demo workspace (created on first run). `evaluator`:
+    where its evaluations run (default: here)."""
     if workspace is None:
 
         return SpecPilotApp(default_demo_path(), create_demo=True, demo_options=demo_options, poll_s=poll_s,
-                            blink=blink)
-    return SpecPilotApp(Path(workspace).expanduser().resolve(), poll_s=poll_s, blink=blink)
+                            blink=blink, evaluator=evaluator)
+    return SpecPilotApp(Path(workspace).expanduser().resolve(), poll_s=poll_s, blink=blink, evaluator=evaluator)
+
+
+def _executor_table(workspace: Path) -> dict | None:
+    """The workspace's `[executor]` table (None when it has none or does not exist yet)."""
+    toml = workspace / "specpilot.toml"
+    if not toml.exists():
+        return None
+    try:
+        return tomllib.loads(toml.read_text()).get("executor")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None  # the workspace's own error is reported when the app opens it
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`specpilot-tui [--workspace PATH]` (the interactive app; `--auto` is handled before this is imported)."""
-    p = argparse.ArgumentParser(prog="specpilot-tui", description="The SpecPilot workbench (Textual).")
+    """`specpilot-tui [--workspace PATH] [--executor local|ray] [--ray-address ADDR]` (the interactive app;
+    `--auto` is handled before this is imported). Exit 2: a usage error; 6: the executor could not start."""
+    p = OneLineParser(prog="specpilot-tui", description="The SpecPilot workbench (Textual).")
     p.add_argument("--workspace", help="a workspace folder (default: the demo workspace, created on first run)")
+    p.add_argument("--executor", choices=EXECUTORS, help="where launches, re-evaluations and rounds evaluate "
+                                                         "candidates; default: [executor] kind, else local")
+    p.add_argument("--ray-address", help="the Ray cluster (host:port, auto or local); with --executor ray")
     args = p.parse_args(argv)
     if args.workspace and not (Path(args.workspace) / "specpilot.toml").exists():
         print(f"error: {args.workspace} is not a SpecPilot workspace (no specpilot.toml); create one with "
               f"`specpilot init demo PATH` or omit --workspace for the demo", file=sys.stderr)
         return 2
-    app = make_app(args.workspace)
-    app.run()
+    where = Path(args.workspace).expanduser() if args.workspace else default_demo_path()
+    try:
+        settings = ExecutorSettings.resolve(args.executor, args.ray_address, _executor_table(where),
+                                            f"{where / 'specpilot.toml'}: [executor]")
+    except ExecutorError as e:
+        return fail(str(e))
+    if settings.kind == "local" and settings.address:
+        return fail(f"--ray-address {settings.address}: only with --executor ray (or [executor] kind = \"ray\")")
+    if settings.kind == "ray":
+        print(f"connecting to the Ray cluster at {settings.address or 'auto'} ...", file=sys.stderr)
+    try:
+        evaluator = make_evaluator(settings)
+    except ExecutorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 6
+    app = make_app(args.workspace, evaluator=evaluator)
+    try:
+        app.run()
+    finally:
+        if not app.abandoned:
+            evaluator.shutdown()
     code = app.return_code or 0
     if app.abandoned:  # work still running in threads: do not wait for it (its systems die with us)
         sys.stdout.flush()

@@ -361,13 +361,14 @@ def run_forcing(ws: Workspace, branch: str) -> str:
     return f"{branch}: forcing {rep['status']}: {rep['reason']}"
 
 
-def reevaluate(ws: Workspace, branch: str) -> dict:
+def reevaluate(ws: Workspace, branch: str, evaluator: Any = None) -> dict:
     """Run the whole cascade on the branch's committed head against the commit it started from (an
-    interrupted branch resumed, or a branch edited by hand); the same code path as the loop's."""
+    interrupted branch resumed, or a branch edited by hand); the same code path as the loop's, on the
+    app's executor (`evaluator`: here, or a Ray cluster)."""
 
     b = ws.branch(branch)
     base = ws.branch_base(branch)
-    loop = Loop(ws, LoopOptions(rounds=1, agents=1, auto_accept=False))
+    loop = Loop(ws, LoopOptions(rounds=1, agents=1, auto_accept=False), evaluator=evaluator)
     if ws.head(branch) == base:
         ws.memory.update_branch(b.id, status="discarded")
         ws.memory.add_evaluation(b.id, "agent", "discard", "nothing committed beyond its base: launch an agent (l)")
@@ -387,12 +388,12 @@ def mark_interrupted(ws: Workspace, branches: list[str]) -> None:
                                    {"branch_id": b.id})
 
 
-def run_loop_round(ws: Workspace, progress: Callable[[str], None] | None = None) -> dict:
+def run_loop_round(ws: Workspace, progress: Callable[[str], None] | None = None, evaluator: Any = None) -> dict:
     """One more round of the loop, exactly as `specpilot-tui --auto --rounds N+1` would run it (the
-    engineer still accepts mechanisms in the Memory tab)."""
+    engineer still accepts mechanisms in the Memory tab), its evaluations on the app's executor."""
 
     done = sum(1 for r in ws.memory.list_rounds(ws.deployment_id()) if r.status == "done" and "index" in r.summary)
-    return Loop(ws, LoopOptions(rounds=done + 1, auto_accept=False), progress=progress).run()
+    return Loop(ws, LoopOptions(rounds=done + 1, auto_accept=False), progress=progress, evaluator=evaluator).run()
 
 
 def free_branch_name(ws: Workspace, kind: str, family: str) -> str:
@@ -410,11 +411,12 @@ class Launch:
     """
 
     def __init__(self, ws: Workspace, kind: str, family: str, branch: str,
-                 progress: Callable[[str], None] | None = None, llm: dict | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, llm: dict | None = None,
+                 evaluator: Any = None) -> None:
 
         self.ws, self.kind, self.family, self.branch = ws, kind, family, branch
         self.loop = Loop(ws, LoopOptions(rounds=1, agents=1, agent=kind, auto_accept=False, llm=llm or {}),
-                         progress=progress)
+                         progress=progress, evaluator=evaluator)
         # made before the agent starts, so a steer or stop right after launch is not lost
         self.loop.steering[branch] = queue.Queue()
         self.loop.stops[branch] = threading.Event()

@@ -128,7 +128,7 @@ class OverviewPane(VerticalScroll):
         yield SpeedupPlot(id="speedup")
         yield RoundProgressView(id="round")
 
-    def show(self, snap: Snapshot, workspace: str) -> None:
+    def show(self, snap: Snapshot, workspace: str, evaluations: str = "here (local executor)") -> None:
         d = snap.deployment
         t = Table.grid(padding=(0, 1))
         t.add_column(style="bold")
@@ -138,7 +138,7 @@ class OverviewPane(VerticalScroll):
         t.add_row("deployment", Text(d["name"]), "hardware", Text(f"{d['hardware']} ({d['device']}, {d['dtype']})"))
         t.add_row("target", Text(d["target"]), "drafter", Text(d["drafter"]))
         t.add_row("regime", Text(d["regime"]), "workspace", Text(display_path(workspace), overflow="ellipsis"))
-        self.query_one("#deployment", Static).update(t)
+        self.query_one("#deployment", Static).update(Group(t, Text.assemble(("evaluations ", "bold"), evaluations)))
         caption = ""
         if snap.gaps_label:
             caption = f"profiled by {snap.gaps_label}"
