@@ -801,3 +801,16 @@ def snapshot_app(snap_ws, tab: str):
 def test_snapshot(snap_ws, frozen, snap_compare, tab, size):
     app, ready = snapshot_app(snap_ws, tab)
     assert snap_compare(app, terminal_size=size, run_before=ready)
+
+
+def test_a_confirmed_branch_shows_the_speedup_it_is_credited_with(ws):
+    """A kept bench stage holds its first run and its confirmation in fresh processes: the cascade credits the
+    lower of the two, and so does the Branches tab's `vs base`."""
+    from workbench.tui import data
+
+    ws.create_branch("confirmed")
+    b = ws.branch("confirmed")
+    ws.memory.add_evaluation(b.id, "bench", "keep", "1.43x over the base, reproduced",
+                             metrics={"speedup": 1.547, "confirm": {"speedup": 1.429}})
+    rows = {r.name: r for r in data.read_snapshot(ws, None).branches}
+    assert rows["confirmed"].speedup == pytest.approx(1.429)

@@ -43,7 +43,7 @@ class BranchRow:
     agent: str
     direction: str
     status: str
-    speedup: float | None  # the latest paired benchmark against its base
+    speedup: float | None  # the latest paired benchmark against its base (a confirmed one: the lower run)
     forcing: str  # one word or two: clean / N real / crash / rejected / -
     match_rate: float | None
     forcing_report_id: int | None
@@ -126,6 +126,9 @@ def branch_row(ws: Workspace, b: Any, progress: dict | None = None) -> BranchRow
     evals = mem.list_evaluations(b.id)
     bench = [e for e in evals if e.stage == "bench" and isinstance(e.metrics.get("speedup"), int | float)]
     speedup = float(bench[-1].metrics["speedup"]) if bench else None
+    confirm = bench[-1].metrics.get("confirm") if bench else None
+    if speedup is not None and isinstance(confirm, dict) and isinstance(confirm.get("speedup"), int | float):
+        speedup = min(speedup, float(confirm["speedup"]))  # what the cascade credits: the lower of the two runs
     forcing, rate, report_id = "-", None, None
     forced = [e for e in evals if e.stage == "forcing"]
     reports = mem.list_forcing_reports(b.id)
