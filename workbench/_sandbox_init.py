@@ -51,10 +51,11 @@ def mount(src: str, dst: str, fstype: str | None, flags: int, data: str | None =
                       data.encode() if data else None), f"mount {src} on {dst}")
 
 
-def bind(root: str, path: str, writable: bool) -> None:
+def bind(root: str, path: str, writable: bool, at: str | None = None) -> None:
+    """`path` mounted at the same place in the new root, or at `at` when given."""
     if not os.path.exists(path):
         return
-    dst = root + path
+    dst = root + (at or path)
     if os.path.isdir(path):
         os.makedirs(dst, exist_ok=True)
     else:
@@ -85,6 +86,8 @@ def build_root(spec: dict, root: str) -> None:
         bind(root, path, writable=False)
     for path in spec["read_write"]:
         bind(root, path, writable=True)
+    for path, at, writable in spec.get("bind", []):  # a folder shown at another path (an engine build's source)
+        bind(root, path, writable=bool(writable), at=at)
     # A private /dev: the few harmless nodes bound one by one, a size-limited /dev/shm that dies with
     # the sandbox (the host's /dev, its /dev/shm included, is never visible: no channel between runs).
     os.makedirs(root + "/dev", exist_ok=True)
@@ -111,12 +114,27 @@ def build_root(spec: dict, root: str) -> None:
     mount("none", "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)  # the new / is read-only
 
 
+def sandbox_ident() -> int:
+    """The unused host uid/gid this sandbox drops to (as root): unique among running sandboxes."""
+    return SANDBOX_UID_BASE + os.getpid() % (1 << 22)
+
+
+def own(paths: list, ident: int) -> None:
+    """The spec's `own` folders (a build's own writable copy) handed to the uid the sandbox drops to, so its
+    tools may change what they wrote before (permissions, times), as on the host."""
+    for top in paths:
+        for d, dirs, files in os.walk(top):
+            for name in dirs + files:
+                os.lchown(os.path.join(d, name), ident, ident)
+        os.lchown(top, ident, ident)
+
+
 def drop_privileges() -> None:
     """Root becomes an unused host uid/gid (a user namespace created by root would map the candidate
     onto the host's root): `SANDBOX_UID_BASE` + this pid, unique among running sandboxes, owning no
     file on the host, so the process limit counts this sandbox alone."""
     parent = os.getppid()
-    ident = SANDBOX_UID_BASE + os.getpid() % (1 << 22)
+    ident = sandbox_ident()
     os.setgroups([])
     os.setresgid(ident, ident, ident)
     os.setresuid(ident, ident, ident)
@@ -153,6 +171,7 @@ def main() -> None:
         # namespaces, whose fresh /proc covers the first.
         _check(libc.unshare(CLONE_NEWNS), "unshare(mount)")
         build_root(spec, root)
+        own(spec.get("own", []), sandbox_ident())
         drop_privileges()
         enter_namespaces()
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

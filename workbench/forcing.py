@@ -28,6 +28,7 @@ from tqdm import tqdm
 from decoder.contract import near_tie, near_tie_threshold
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
 from decoder.engines.llamacpp_config import LlamaCppConfig
+from workbench.engine_source import engine_server
 from workbench.harness import Limits, SystemCrash, SystemProcess
 from workbench.progress import step
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
@@ -69,7 +70,11 @@ def forcing_prompt_texts(ws: Workspace) -> list[tuple[str, str, str]]:
 
 
 def run_system(ws: Workspace, worktree: Path, log_name: str) -> SystemProcess:
-    return SystemProcess(worktree, ws.entry_argv(), limits_of(ws), read_only=ws.config.model_dirs(),
+    """The worktree's system, not started. A workspace carrying the engine's source runs the engine built
+    from the worktree's commit (built first when new: untimed, SystemCrash("build") when it fails)."""
+    server = engine_server(ws, ws.commit_of(worktree)) if ws.config.engine_source else None
+    return SystemProcess(worktree, ws.entry_argv(server), limits_of(ws),
+                         read_only=ws.config.model_dirs() + ([server.parent] if server else []),
                          log_path=ws.state / "logs" / f"{log_name}-{time.strftime('%Y%m%d-%H%M%S')}.log")
 
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,11 +40,12 @@ from decoder.capabilities import refusal
 from decoder.config import ConfigError, DecodeConfig, read_table
 from decoder.engines import EngineError
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
-from decoder.engines.llamacpp_build import binary, gguf_path, is_built, missing_build_message
+from decoder.engines.llamacpp_build import binary, engine_dir, gguf_path, is_built, missing_build_message
 from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_hf_dir, smollm2_prompts
 from decoder.mechanisms import ENGINES, Contract, contract_for
 from store import Branch, Memory, StoreError, data_dir
+from workbench.engine_source import SOURCE_REL, carry_source
 from workbench.harness import sandbox_status, unreadable_for_sandbox
 from workbench.progress import pid_alive
 from workbench.safegit import SafeGitError, worktree_admin_dir, worktree_git
@@ -105,6 +107,7 @@ class WorkspaceConfig:
     executor: dict = field(default_factory=dict)  # the [executor] table: where evaluations run (workbench.executor)
     engine: str = "torch"  # [system] engine: torch (decoder/serve.py) or llama.cpp (decoder/engines/serve_llamacpp.py)
     engine_bin: Path | None = None  # [system] engine_bin: the engine's binaries, read-only in the sandbox (llama.cpp)
+    engine_source: str | None = None  # [system] engine_source: the engine source the workspace carries (llama.cpp)
 
     @classmethod
     def load(cls, path: Path) -> WorkspaceConfig:
@@ -127,7 +130,8 @@ class WorkspaceConfig:
                        max_mismatches_per_prompt=int(f.get("max_mismatches_per_prompt", 16)), limits=dict(lim),
                        bench=dict(bench), llm=dict(data.get("llm", {})), executor=data.get("executor", {}),
                        engine=str(s.get("engine", "torch")),
-                       engine_bin=Path(s["engine_bin"]) if s.get("engine_bin") else None)
+                       engine_bin=Path(s["engine_bin"]) if s.get("engine_bin") else None,
+                       engine_source=str(s["engine_source"]) if s.get("engine_source") else None)
         except KeyError as e:
             raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
 
@@ -147,6 +151,8 @@ class WorkspaceConfig:
                   f"entry = {json.dumps(self.entry)}", f"config = {q(self.config_file)}",
                   *([f"engine = {q(self.engine)}"] if self.engine != "torch" else []),
                   *([f"engine_bin = {q(self.engine_bin)}"] if self.engine_bin else []),
+                  *(["# the engine's source, built per commit into {engine_server} (workbench/engine_source.py)",
+                     f"engine_source = {q(self.engine_source)}"] if self.engine_source else []),
                   "# a candidate commit touching one of these is rejected before it runs",
                   f"protected = {json.dumps(self.protected)}", "",
                   "[forcing]", f"max_new_tokens = {self.forcing_max_new_tokens}",
@@ -180,6 +186,7 @@ class Workspace:
         except git.InvalidGitRepositoryError:
             raise WorkspaceError(f"{self.path} has a specpilot.toml but is not a git repository") from None
         self.state = self.path / ".specpilot"
+        self._detached_at: dict[str, str] = {}  # internal worktree -> the commit it was checked out at here
         for sub in ("stock", "worktrees", "logs"):
             (self.state / sub).mkdir(parents=True, exist_ok=True)
         self._memory: Memory | None = None
@@ -278,10 +285,11 @@ class Workspace:
                 return r.id
         return self.memory.add_round(dep, status=MANUAL_ROUND, base_commit=self.stock_commit).id
 
-    def entry_argv(self) -> list[str]:
+    def entry_argv(self, engine_server: Path | None = None) -> list[str]:
+        """The system's command line; `{engine_server}`: the engine built from the commit being run."""
         c = self.config
         subs = {"{python}": sys.executable, "{target}": str(c.target), "{drafter}": str(c.drafter or ""),
-                "{config}": c.config_file}
+                "{config}": c.config_file, "{engine_server}": str(engine_server or "")}
         out = []
         for a in c.entry:
             for k, v in subs.items():
@@ -387,6 +395,7 @@ class Workspace:
     def detached_worktree(self, name: str, commit: str) -> Path:
         """An internal worktree (stock, AR reference, base, measurements) checked out at `commit`."""
         wt = self.worktree_path(name)
+        self._detached_at[str(wt)] = self.rev(commit)
         if wt.is_dir() and self._registered(wt):
             g = self.worktree_git(name)
             g.checkout("--detach", "--force", commit)
@@ -397,6 +406,16 @@ class Workspace:
             shutil.rmtree(wt)
         self.repo.git.worktree("add", "--detach", str(wt), commit)
         return wt
+
+    def commit_of(self, worktree: Path) -> str:
+        """The commit a worktree of this workspace runs, from the main repository (a branch's ref, or the
+        commit an internal worktree was last checked out at here), never from the worktree's own files."""
+        wt = Path(worktree)
+        if str(wt) in self._detached_at:
+            return self._detached_at[str(wt)]
+        if wt.parent == self.state / "worktrees" and self.find_branch(wt.name) is not None:
+            return self.head(wt.name)
+        raise WorkspaceError(f"{wt}: not a worktree of this workspace's branches")
 
     def reset_branch(self, name: str, base: str) -> Branch:
         """Start a branch over from `base` (an interrupted attempt resumed): same store row, fresh worktree."""
@@ -780,6 +799,14 @@ def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | N
 
 LLAMA_CPP_DEPLOYMENTS = ("demo", "smollm2")
 LLAMA_CPP_PROTECTED = ["specpilot.toml", "prompts/", "decoder/engines/serve_llamacpp.py", ".gitignore"]
+LLAMA_CPP_SOURCE_README = """
+## The engine's source
+
+`engine/llama.cpp/` is llama.cpp's source as built for this workspace (the part its build reads). Edit its
+C++ like any other file and commit: every commit runs the `llama-server` built from its own engine source
+(incrementally from the engine cache's build, in the sandbox, before anything is timed); a commit that does
+not build is a crash whose reason is the compiler's first error.
+"""
 LLAMA_CPP_README = """
 ## The deployment: llama.cpp
 
@@ -866,12 +893,14 @@ def _own_gguf(target: Path, drafter: Path | None, tokenizer: Path | None, prompt
 def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_type: str = "none",
                   prompts: str = "code", name: str | None = None, forcing_max_new_tokens: int = 64,
                   prompt_limit: int | None = None, limits: dict | None = None, bench: dict | None = None,
-                  target: Path | None = None, drafter: Path | None = None, tokenizer: Path | None = None
-                  ) -> Workspace:
+                  target: Path | None = None, drafter: Path | None = None, tokenizer: Path | None = None,
+                  with_source: bool = False) -> Workspace:
     """Create a workspace whose system is llama.cpp's `llama-server` (built by `make llama-cpp`) on a named
     deployment: `demo` (the demo target and drafter as bf16 GGUFs) or `smollm2` (SmolLM2-135M-Instruct, Q4_1),
     or on the user's own GGUF (`target`, optional `drafter` GGUF, `tokenizer` directory, `prompts` file).
-    Stock runs with speculation off, or with `spec_type`. One request at a time (load batch_sizes = [1])."""
+    Stock runs with speculation off, or with `spec_type`. One request at a time (load batch_sizes = [1]).
+    `with_source`: the workspace carries llama.cpp's source (`engine/llama.cpp/`) and each commit runs the
+    `llama-server` built from it (`workbench.engine_source`)."""
     path = Path(path).absolute()
     _check_new_folder(path)
     if target is None and deployment not in LLAMA_CPP_DEPLOYMENTS:
@@ -915,7 +944,11 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
         if not tok(r["text"], add_special_tokens=False)["input_ids"]:
             raise WorkspaceError(f"--prompts {source}: prompt {r['id']!r} has no tokens under {tokenizer}; remove it")
     hidden = max(1, min(len(rows) - 1, round(len(rows) * HIDDEN_FRACTION)))
-    entry = ["{python}", "-m", "decoder.engines.serve_llamacpp", "--server", str(server), "--model", "{target}",
+    if with_source and not (engine_dir() / "build" / "build.ninja").is_file():
+        raise WorkspaceError(f"--with-source: the engine cache has no ninja build folder ({engine_dir() / 'build'}); "
+                             f"run `make llama-cpp` again")
+    entry = ["{python}", "-m", "decoder.engines.serve_llamacpp", "--server",
+             "{engine_server}" if with_source else str(server), "--model", "{target}",
              *(["--drafter", "{drafter}"] if drafter is not None else []), "--config", "{config}",
              *(f"--server-flag={f}" for f in fixed)]
     size_mb = sum(p.stat().st_size for p in (target, drafter) if p is not None) / 2**20
@@ -925,13 +958,16 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
         limits={"start_s": 120, "request_s": 120, "memory_mb": max(4096, 2048 + int(4 * size_mb)), "threads": 1,
                 **(limits or {})},
         bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})},
-        engine="llama.cpp", engine_bin=server.parent)
+        engine="llama.cpp", engine_bin=server.parent, engine_source=SOURCE_REL if with_source else None)
     readme = WORKSPACE_README.format(name=name) + LLAMA_CPP_README.format(
         server=server, target=target, drafter=f" with the draft model `{drafter}`" if drafter else "",
         spec_type=spec_type, visible=len(rows) - hidden, hidden=hidden, source=f"`{source}`",
         fixed=" ".join(fixed) or "none")
+    if with_source:
+        readme += LLAMA_CPP_SOURCE_README
     return _create(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=f"llama.cpp on {deployment}",
-                   what=f"llama.cpp workspace ({deployment}, {prompts} prompts, stock spec_type {spec_type})")
+                   what=f"llama.cpp workspace ({deployment}, {prompts} prompts, stock spec_type {spec_type}"
+                        f"{', with its source' if with_source else ''})", carry=carry_source if with_source else None)
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -1015,7 +1051,7 @@ def _entry(*, drafter: bool) -> list[str]:
 
 
 def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig | LlamaCppConfig,
-            readme: str, label: str, what: str) -> Workspace:
+            readme: str, label: str, what: str, carry: Callable[[Path], object] | None = None) -> Workspace:
     """Build a workspace in a sibling folder and rename it into place: a failure (a crash, a full disk, a
     read-only folder) leaves nothing behind, not even the parent folders it made."""
     made = None  # the outermost folder this call creates above the workspace
@@ -1027,7 +1063,7 @@ def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int,
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir()
-        _build(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=label)
+        _build(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=label, carry=carry)
         os.replace(path, final)  # onto an empty folder too: allowed above, and rename(2) replaces it
     except BaseException as e:
         shutil.rmtree(path, ignore_errors=True)
@@ -1045,8 +1081,9 @@ def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int,
 
 
 def _build(path: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig | LlamaCppConfig,
-           readme: str, label: str) -> None:
-    """The workspace's files and its first commit (tag `stock`) in `path`, an empty folder."""
+           readme: str, label: str, carry: Callable[[Path], object] | None = None) -> None:
+    """The workspace's files and its first commit (tag `stock`) in `path`, an empty folder; `carry(path)`
+    adds more of stock's files (an engine's source)."""
     _copy_package(Path(decoder.__file__).parent, path / "decoder")
     _copy_package(Path(kernels.__file__).parent, path / "kernels")
     visible, hidden_rows = _split_prompts(rows, hidden)
@@ -1056,6 +1093,8 @@ def _build(path: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, s
     stock.save(path / cfg.config_file)
     (path / ".gitignore").write_text(GITIGNORE)
     (path / "README.md").write_text(readme)
+    if carry is not None:
+        carry(path)
     repo = git.Repo.init(path, initial_branch="main")
     with repo.config_writer() as w:  # commits must work on a machine with no git identity
         if not repo.config_reader().has_option("user", "email"):

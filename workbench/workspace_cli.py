@@ -13,6 +13,7 @@ from pathlib import Path
 
 from store import NotFound, StoreError, to_dict
 from workbench.cli_util import fail, quiet_transformers, run_group
+from workbench.engine_source import EngineSourceError
 from workbench.export import export, record_mechanism
 from workbench.forcing import force, format_report
 from workbench.harness import SystemCrash
@@ -36,7 +37,7 @@ def _workspace(args: argparse.Namespace):
 
 def _errors():
 
-    return (WorkspaceError, StoreError, NotFound, SystemCrash)
+    return (WorkspaceError, StoreError, NotFound, SystemCrash, EngineSourceError)
 
 
 def _batch_sizes(text: str | None) -> list[int] | None:
@@ -100,10 +101,12 @@ def _init_llamacpp(args: argparse.Namespace) -> int:
                            prompts=args.prompts or ("code" if deployment else ""), name=name,
                            target=Path(args.target) if args.target else None,
                            drafter=Path(args.drafter) if args.drafter else None,
-                           tokenizer=Path(args.tokenizer) if args.tokenizer else None)
+                           tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+                           with_source=args.with_source)
     except _errors() as e:
         return fail(str(e))
-    return _created(ws, f"llama.cpp workspace ({deployment or ws.config.target.name})", args.json)
+    return _created(ws, f"llama.cpp workspace ({deployment or ws.config.target.name}"
+                        f"{', with its source' if args.with_source else ''})", args.json)
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -111,8 +114,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
         return fail(f"init: --engine {args.engine}: choose torch (SpecPilot's decoder, the default) or llama.cpp")
     if args.engine == "llama.cpp":
         return _init_llamacpp(args)
-    if args.deployment is not None or args.spec_type is not None or args.tokenizer is not None:
-        return fail("init: --deployment, --spec-type and --tokenizer go with --engine llama.cpp")
+    if args.deployment is not None or args.spec_type is not None or args.tokenizer is not None or args.with_source:
+        return fail("init: --deployment, --spec-type, --tokenizer and --with-source go with --engine llama.cpp")
     if args.target is None and args.drafter is not None:
         return fail("init: --drafter goes with --target: `specpilot init --target DIR --drafter DIR PATH`")
     if args.target is not None:
@@ -230,9 +233,9 @@ def add_parser(sub) -> None:
                              "       specpilot init --target DIR [--drafter DIR] [--prompts FILE] [--name NAME] "
                              "[--json] PATH\n"
                              "       specpilot init --engine llama.cpp [--deployment demo|smollm2] [--spec-type T] "
-                             "[--prompts code|prose] [--name NAME] [--json] [PATH]\n"
+                             "[--prompts code|prose] [--with-source] [--name NAME] [--json] [PATH]\n"
                              "       specpilot init --engine llama.cpp --target FILE.gguf --tokenizer DIR "
-                             "--prompts FILE [--drafter FILE.gguf] [--spec-type T] [--json] PATH")
+                             "--prompts FILE [--drafter FILE.gguf] [--spec-type T] [--with-source] [--json] PATH")
     i.add_argument("what", nargs="?", metavar="demo | hybrid-demo | PATH",
                    help="demo: the embedded demo deployment; hybrid-demo: a hybrid recurrent target and its "
                         "draft model; with --target: the folder to create")
@@ -260,6 +263,9 @@ def add_parser(sub) -> None:
                         "tokenizer")
     i.add_argument("--spec-type", metavar="T",
                    help="with --engine llama.cpp: stock's --spec-type (default none: llama.cpp AR), e.g. ngram-simple")
+    i.add_argument("--with-source", action="store_true",
+                   help="with --engine llama.cpp: carry llama.cpp's source in the workspace (engine/llama.cpp/); each "
+                        "commit runs the llama-server built from it (incrementally, in the sandbox, untimed)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_init)
 

@@ -57,6 +57,7 @@ from workbench.agents.endpoint import (
     stream_chat,
 )
 from workbench.agents.textproto import TEXT_NUDGE, TEXT_RULES, Action, parse_reply, signature
+from workbench.engine_source import SOURCE_REL
 from workbench.progress import step
 from workbench.safegit import SafeGitError
 
@@ -461,6 +462,11 @@ against stock, on hidden prompts too. Never special-case prompts, memoize output
 """ + TEXT_RULES
 
 
+ENGINE_NOTE = ("The engine's C++ source is in engine/llama.cpp/ (llama.cpp, the part its build reads; the kernels "
+               "are in engine/llama.cpp/ggml/src/ggml-cpu/). Every commit runs the llama-server built from it: "
+               "run_smoke builds what you changed (about a minute per file) and reports the compiler's first error.")
+
+
 def opening_message(ctx: AgentContext, compact: bool = False, config_excerpt: str = "",
                     files: list[str] | None = None) -> str:
     """The task: the gap breakdown, the direction, the visible prompts (never the hidden split).
@@ -470,6 +476,8 @@ def opening_message(ctx: AgentContext, compact: bool = False, config_excerpt: st
     """
     d = ctx.direction
     extra = []
+    if (Path(ctx.worktree) / SOURCE_REL).is_dir():
+        extra.append(ENGINE_NOTE)
     if config_excerpt:
         extra.append(config_excerpt)
     if files:

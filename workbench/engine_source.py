@@ -1,0 +1,196 @@
+"""A llama.cpp workspace that carries the engine's source, so candidates may edit its C++ (#19, #24).
+
+`specpilot init --engine llama.cpp --with-source` copies the part of the vendored llama.cpp that the build
+reads (`SOURCE_PARTS`, about 51 MB) into the workspace at `engine/llama.cpp/` and commits it with stock.
+The system's entry then names `{engine_server}`: the `llama-server` built from the engine source at the
+commit being run.
+
+A candidate's engine is built from its commit, never from its worktree (which the candidate controls):
+
+1. the commit's engine tree (`git rev-parse COMMIT:engine/llama.cpp`, hardened git on the main repository)
+   names the build, `.specpilot/engine-builds/<tree>/bin/llama-server`, shared by every commit with that
+   tree; stock's tree (the source as carried) is the engine cache's own build (`make llama-cpp`);
+2. the tree is exported with `git archive` (hardened) and unpacked with tarfile's `data` filter (no
+   absolute paths, no links leaving it, no special files); every file equal to stock's (by blob, from
+   `git diff --name-only`) gets an old fixed mtime, every changed one the current time;
+3. a copy of the engine cache's CMake/ninja build folder (configured for the cache's source path) seeds
+   the build, so only what changed is compiled: in the sandbox the exported source is mounted read-only
+   at the cache's source path and the copy, writable, at the cache's build path, and `cmake --build
+   --target llama-server` recompiles the changed files and links (re-configuring when a CMake file
+   changed); no network, the sandbox's limits, a time limit, the log in `.specpilot/logs/`;
+4. only the binary is kept, renamed into place whole; a failure is the candidate's crash, its reason the
+   compiler's first error line.
+
+Building is untimed work (it holds the timing gate shared), done when a system of that commit first
+starts, before any timed run: its time never enters a measurement. There is no ccache: the seeded ninja
+build already recompiles only the changed translation units.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+from decoder.engines.llamacpp_build import binary, engine_dir, source_dir
+from workbench.gate import untimed
+from workbench.harness import SystemCrash, _die_with_parent, _host_env, sandbox_command, sandbox_spec, sandbox_status
+from workbench.progress import step
+from workbench.safegit import hardened
+
+SOURCE_REL = "engine/llama.cpp"  # where a workspace carries the engine source
+# What the build reads of the vendored tree (tests, examples, docs and models are off or unused).
+SOURCE_PARTS = ("CMakeLists.txt", "LICENSE", "cmake", "include", "src", "ggml", "common", "tools", "vendor", "app",
+                "licenses", "scripts")
+OLD_MTIME = 946_684_800  # 2000-01-01: files unchanged from stock are older than every output of the seed build
+BUILD_TIMEOUT_S = 1800
+BUILD_JOBS = 2
+
+
+class EngineSourceError(Exception):
+    """The engine source cannot be carried (no engine cache, no build folder); one line."""
+
+
+def carry_source(workspace_root: Path) -> Path:
+    """Copy the build's part of the cached llama.cpp source into `workspace_root/engine/llama.cpp`."""
+    src = source_dir()
+    if not (engine_dir() / "build" / "build.ninja").is_file() or not src.is_dir():
+        raise EngineSourceError(f"--with-source needs the engine cache's source and its ninja build folder "
+                                f"({src}, {engine_dir() / 'build'}); run `make llama-cpp` first")
+    dst = workspace_root / SOURCE_REL
+    dst.mkdir(parents=True)
+    for part in SOURCE_PARTS:
+        p = src / part
+        if p.is_dir():
+            shutil.copytree(p, dst / part, symlinks=True)
+        elif p.is_file():
+            shutil.copy2(p, dst / part)
+    return dst
+
+
+def _git(ws) -> object:
+    """Hardened git on the main repository (objects and refs only; never a candidate's configuration)."""
+    return hardened(Path(ws.repo.git_dir), ws.path)
+
+
+def engine_tree(ws, commit: str) -> str:
+    """The id of `commit`'s engine source tree."""
+    return _git(ws).rev_parse(f"{commit}:{SOURCE_REL}").strip()
+
+
+def engine_server(ws, commit: str) -> Path:
+    """`llama-server` built from the engine source at `commit` (built now when no commit with that tree
+    was built before); SystemCrash("build", one line) when it does not build."""
+    tree = engine_tree(ws, commit)
+    if tree == engine_tree(ws, ws.stock_commit):
+        return binary("llama-server")  # the source as carried: the engine cache's own build
+    root = ws.state / "engine-builds"
+    server = root / tree / "bin" / "llama-server"
+    if server.is_file():
+        return server
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{tree}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per tree; a second evaluation waits and reuses it
+        if not server.is_file():
+            with untimed():
+                _build(ws, commit, tree, root / tree)
+    return server
+
+
+def _build(ws, commit: str, tree: str, out: Path) -> None:
+    ok, why = sandbox_status()
+    if not ok:
+        raise SystemCrash("build", f"building a candidate's engine needs the sandbox ({why})")
+    tmp = out.with_name(f".{tree}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    src, bld = tmp / "src", tmp / "build"
+    log = ws.state / "logs" / f"build-{tree[:12]}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        step("building the engine", detail=f"exporting {SOURCE_REL} at {commit[:10]}")
+        changed = _export(ws, commit, src)
+        step("building the engine", detail=f"{len(changed)} changed file(s); seeding from the engine cache's build")
+        shutil.copytree(engine_dir() / "build", bld, symlinks=True)
+        step("building the engine", detail=f"compiling what changed ({len(changed)} file(s)); log {log.name}")
+        cache_build = engine_dir() / "build"
+        spec = sandbox_spec(src, [], ["/usr/bin/cmake", "--build", str(cache_build), "--target", "llama-server",
+                                      "-j", str(BUILD_JOBS)],
+                            {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "TMPDIR": "/tmp"},
+                            int(ws.config.limits.get("memory_mb", 4096)))
+        # The sdist's git metadata: the seed build's CMake step depends on its index (read-only, from the cache).
+        meta = [[str(m), str(m), False] for m in [source_dir().parent.parent / ".git"] if m.is_dir()]
+        spec["bind"] = [[str(src), str(source_dir()), False], [str(bld), str(cache_build), True], *meta]
+        spec["own"] = [str(cache_build)]  # as root: the build's copy belongs to the uid the sandbox drops to
+        spec["cwd"] = str(cache_build)
+        spec["tmp_size"] = "1g"
+        with open(log, "wb") as f:
+            try:
+                r = subprocess.run(sandbox_command(spec), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                   env=_host_env(), timeout=BUILD_TIMEOUT_S, preexec_fn=_die_with_parent)
+            except subprocess.TimeoutExpired:
+                raise SystemCrash("build", f"the engine build ran over {BUILD_TIMEOUT_S} s (log: {log})") from None
+        built = bld / "bin" / "llama-server"
+        if r.returncode != 0:
+            raise SystemCrash("build", f"the engine does not build: {_first_error(log)} (log: {log})")
+        if not stat.S_ISREG(os.lstat(built).st_mode):
+            raise SystemCrash("build", f"the engine build made no llama-server binary (log: {log})")
+        (tmp / "bin").mkdir()
+        shutil.copyfile(built, tmp / "bin" / "llama-server")
+        os.chmod(tmp / "bin" / "llama-server", 0o755)
+        shutil.rmtree(src)
+        shutil.rmtree(bld)
+        os.chmod(tmp, 0o755)
+        os.chmod(tmp / "bin", 0o755)
+        os.replace(tmp, out)
+        with open(log, "a") as f:
+            f.write(f"\nspecpilot: built {out / 'bin' / 'llama-server'} in {time.monotonic() - t0:.0f} s "
+                    f"({len(changed)} changed file(s))\n")
+    except FileNotFoundError as e:
+        raise SystemCrash("build", f"the engine build made no llama-server binary ({e.filename}; log: {log})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _export(ws, commit: str, dst: Path) -> set[str]:
+    """`commit`'s engine tree unpacked into `dst` (mtimes set for an incremental build); the changed paths."""
+    g = _git(ws)
+    dst.mkdir(parents=True)
+    archive = dst.parent / "src.tar"
+    g.archive("--format=tar", "-o", str(archive), f"{commit}:{SOURCE_REL}")
+    with tarfile.open(archive) as tf:
+        try:
+            tf.extractall(dst, filter="data")  # no absolute paths, no links out of dst, no devices
+        except tarfile.FilterError as e:
+            raise SystemCrash("build", f"{SOURCE_REL} at {commit[:10]}: {e}; the engine source must stay "
+                                       f"inside its tree") from None
+    archive.unlink()
+    names = g.diff("--name-only", "--no-renames", "-z", ws.stock_commit, commit, "--", SOURCE_REL)
+    changed = {n[len(SOURCE_REL) + 1:] for n in names.split("\0") if n.startswith(SOURCE_REL + "/")}
+    now = time.time()
+    for dirpath, dirnames, filenames in os.walk(dst):
+        for name in filenames + dirnames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, dst)
+            t = now if rel in changed else OLD_MTIME
+            os.utime(p, (t, t), follow_symlinks=False)
+    return changed
+
+
+def _first_error(log: Path) -> str:
+    """The compiler's first error line in the build log (else CMake's, else ninja's, else the last line)."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no log"
+    for test in (lambda ln: ": error: " in ln or ": fatal error: " in ln, lambda ln: ln.startswith("CMake Error"),
+                 lambda ln: ln.startswith("FAILED:")):
+        for ln in lines:
+            if test(ln):
+                return ln[:300]
+    return (lines[-1] if lines else "no output")[:300]
