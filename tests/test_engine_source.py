@@ -153,3 +153,37 @@ def test_an_edited_engine_is_rebuilt_incrementally_runs_and_is_forced(src_ws):
     _commit(src_ws, "off-by-one", SAMPLING_CPP, _replace(SAMPLED, off_by_one))
     rep = force(src_ws, "off-by-one", progress=False, record=False)
     assert rep["status"] == "discard" and rep["mismatches"], rep["reason"]
+
+
+@pytest.mark.slow
+@needs_engine
+def test_an_llm_agent_edits_the_engines_cpp_and_the_loop_evaluates_the_rebuilt_engine(src_ws):
+    """One loop round with the LLM agent (a scripted OpenAI-protocol server: the test double for a hosted LLM)
+    on the workspace carrying llama.cpp's source: told where the C++ is, it edits `llama-io.cpp`, its smoke run
+    builds the engine and answers ok, and the cascade forces and times the rebuilt engine (a start-up line:
+    clean, no gain, discarded at the bench)."""
+    import json
+
+    from tests.openai_stub import OpenAIStub, call
+    from tests.test_llm_agent import block
+    from workbench.loop import Loop, LoopOptions
+
+    old = "#include <vector>\n"
+    new = old + f'#include <cstdio>\nstatic const int specpilot_llm = (std::fprintf(stderr, "{MARK}\\n"), 0);\n'
+    script = [call("edit", path=IO_CPP, blocks=block(old, new)), call("run_smoke"),
+              call("finish", summary="a start-up line in libllama", mechanism_name="startup-line")]
+    with OpenAIStub(script) as stub:
+        opts = LoopOptions(rounds=1, agents=1, agent="llm", budget_minutes=30, use_global_memory=False,
+                           auto_accept=False, llm={"base_url": stub.base_url, "model": "stub", "backoff_s": 0.1})
+        summary = Loop(src_ws, opts).run()
+    first = json.dumps(stub.requests[0]["body"]["messages"])
+    assert "engine/llama.cpp/" in first and "compiler's first error" in first  # told where the C++ is
+    smoke_reply = [m for m in stub.requests[2]["body"]["messages"] if m.get("role") == "tool"][-1]["content"]
+    assert smoke_reply.startswith("ok: "), smoke_reply
+    (att,) = summary["rounds"][0]["attempts"]
+    assert "startup-line" in src_ws.repo.git.log("-1", "--format=%s", att["branch"])
+    stages = [(e.stage, e.status) for e in src_ws.memory.list_evaluations(src_ws.branch(att["branch"]).id)]
+    assert stages[:2] == [("smoke", "keep"), ("forcing", "keep")] and stages[2][0] == "bench", stages
+    server = src_ws.state / "engine-builds" / src_ws.repo.git.rev_parse(f"{att['branch']}:engine/llama.cpp")
+    assert MARK.encode() in (server / "bin" / "llama-server").read_bytes()  # the bench ran the rebuilt engine
+    print(f"attempt: {att['status']}: {att['reason']}", flush=True)
