@@ -340,3 +340,14 @@ def test_the_demo_times_candidates_on_prompts_agents_never_see(tmp_path):
     timed = {p.id for p in timing_prompts(w)}
     assert len(timed) >= 4 and not timed & {p.id for p in load_prompts(w)}
     assert timed == {p.id for p in load_prompts(w, "hidden")}
+
+
+def test_the_round_line_names_each_gap_part_apart():
+    from workbench.loop import gap_label
+
+    parts = [("compute", "compute"), ("prefill", "compute"), ("weight reads", "weights"),
+             ("host/launch overhead", "host-overhead"), ("bookkeeping", "host-overhead")]
+    labels = [gap_label({"name": n, "family": f}) for n, f in parts]
+    assert labels == ["compute", "prefill (compute)", "weight reads (weights)", "host/launch overhead",
+                      "bookkeeping (host-overhead)"]
+    assert len(set(labels)) == len(labels)

@@ -89,6 +89,15 @@ class BudgetExhausted(Exception):
     pass
 
 
+def gap_label(gap: dict) -> str:
+    """A ranked gap in a progress line: its part's name, with the family it belongs to when the name does not
+    say it (two parts of one family then read apart: "compute", "prefill (compute)")."""
+    name, family = str(gap.get("name") or ""), str(gap.get("family") or "")
+    if not name or name == family:
+        return family or name
+    return name if family.split("-")[0] in name else f"{name} ({family})"
+
+
 class Loop:
     def __init__(self, ws: Workspace, opts: LoopOptions, progress: Callable[[str], None] | None = None,
                  executor: Executor | None = None, evaluator: Any = None) -> None:
@@ -300,7 +309,7 @@ class Loop:
             self.ws.memory.update_round(rnd.id, summary=summary)
         gaps = summary["gaps"]
         bd = gaps["breakdown"]
-        top = ", ".join(f"{g['family']} {g['ms_per_token']:.2f}" for g in bd["gaps"][:4])
+        top = ", ".join(f"{gap_label(g)} {g['ms_per_token']:.2f}" for g in bd["gaps"][:4])
         base_rate = MethodEntry.from_dict(gaps.get("entry")).tokens_per_s
         self.say(f"round {index}: base {base_rate:.1f} tok/s; largest gaps (ms/token): {top}")
         if "directions" not in summary:
