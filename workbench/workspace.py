@@ -147,7 +147,8 @@ class WorkspaceConfig:
                   f"hardware = {q(self.hardware)}",
                   "# the load the deployment serves: the loop times every point, a kept change loses at none",
                   f"load = {{batch_sizes = {json.dumps(self.batch_sizes)}}}", "",
-                  "[system]", "# run as a subprocess from the branch's worktree; {target} {drafter} {python} expand",
+                  "[system]", "# run as a subprocess from the branch's worktree; {target} {drafter} {python}"
+                  + (" {engine_server}" if self.engine_source else "") + " expand",
                   f"entry = {json.dumps(self.entry)}", f"config = {q(self.config_file)}",
                   *([f"engine = {q(self.engine)}"] if self.engine != "torch" else []),
                   *([f"engine_bin = {q(self.engine_bin)}"] if self.engine_bin else []),
