@@ -1,12 +1,15 @@
 """llama.cpp's best single flag set found by hand, measured the way the loop measures its final system.
 
-    python scripts/hand_flags.py --workspace WS [--types ngram-simple,ngram-map-k,...] [--threads 1,2] [--out F]
+    python scripts/hand_flags.py --workspace WS [--types ngram-simple,ngram-map-k,...] [--threads 1,2]
+                                 [--commit NAME=REV ...] [--out F]
 
 For a llama.cpp workspace (`specpilot init --engine llama.cpp`): one branch per flag set a user would try
 from llama.cpp's documentation (`--spec-type T` with the engine's defaults, and `--threads N` alone), each
 timed against the loop's AR reference (stock with spec_type none) by the same paired benchmark the loop
 uses (`workbench.costing.speedup_over_ar`: harness-timed, hidden prompts, interleaved) and token-forced
 against stock. Prints one line per flag set and writes JSON; the best lossless one is "by hand".
+`--commit NAME=REV` measures a commit the same way in the same run (e.g. a loop round's base, to set the
+loop beside the hand-picked flags under the same load).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--types", default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache",
                    help="spec types to try with the engine's defaults")
     p.add_argument("--threads", default="2", help="thread counts to try alone (comma-separated; '' for none)")
+    p.add_argument("--commit", action="append", default=[], metavar="NAME=REV",
+                   help="also measure this commit (a branch NAME is made at REV), e.g. a loop round's base")
     p.add_argument("--out", type=Path, default=None, help="JSON report (default: stdout only)")
     args = p.parse_args(argv)
     try:
@@ -48,11 +53,23 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         sets.append((f"hand-{t}", {"spec_type": t}))
     sets += [(f"hand-threads-{n}", {"threads": int(n)}) for n in args.threads.split(",") if n.strip()]
+    commits: dict[str, str] = {}
+    for item in args.commit:
+        name, _, rev = item.partition("=")
+        try:
+            commits[name] = ws.rev(rev)
+        except Exception:  # noqa: BLE001 - any git failure is this one bad value
+            print(f"error: --commit {item}: not NAME=REV with a commit of {args.workspace}", file=sys.stderr)
+            return 2
+        sets.append((name, {}))
     loop = Loop(ws, LoopOptions(rounds=0, agents=1), progress=lambda m: print(m, file=sys.stderr))
     loop._ensure_refs()
     rows = []
     for name, change in sets:
-        if ws.find_branch(name) is None:
+        if name in commits:
+            if ws.find_branch(name) is None:
+                ws.create_branch(name, base=commits[name], direction="measured beside the hand-picked flags")
+        elif ws.find_branch(name) is None:
             b = ws.create_branch(name, direction=f"by hand: {change}")
             cfg = LlamaCppConfig(**{**stock.as_dict(), **change})
             cfg.save(Path(b.worktree_path) / ws.config.config_file)
@@ -60,14 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             g.add(ws.config.config_file)
             g.commit("-q", "-m", f"by hand: {change}")
         forced = force(ws, name, progress=False)
-        row = {"name": name, "change": change, "forcing": forced["status"], "forcing_reason": forced["reason"]}
+        row = {"name": name, "change": change, "forcing": forced["status"], "forcing_reason": forced["reason"],
+               **({"commit": commits[name]} if name in commits else {})}
         if forced["status"] == "keep":
             m = speedup_over_ar(ws, ws.rev(AR_BRANCH), ws.head(name), name, lambda *a, **k: None)
             row.update({"speedup_over_ar": m["speedup"], "ci95": m["ci95"],
                         "tokens_per_s": m["b_tokens_per_s"], "ar_tokens_per_s": m["a_tokens_per_s"]})
         rows.append(row)
         print(f"{name:24s} {row.get('speedup_over_ar', 0):.3f}x over AR  forcing {row['forcing']}", flush=True)
-    ok = [r for r in rows if "speedup_over_ar" in r]
+    ok = [r for r in rows if "speedup_over_ar" in r and "commit" not in r]
     best = max(ok, key=lambda r: r["speedup_over_ar"]) if ok else None
     report = {"workspace": str(ws.path), "stock": stock.as_dict(), "flag_sets": rows,
               "best_by_hand": best["name"] if best else None}
