@@ -187,3 +187,17 @@ def test_an_llm_agent_edits_the_engines_cpp_and_the_loop_evaluates_the_rebuilt_e
     server = src_ws.state / "engine-builds" / src_ws.repo.git.rev_parse(f"{att['branch']}:engine/llama.cpp")
     assert MARK.encode() in (server / "bin" / "llama-server").read_bytes()  # the bench ran the rebuilt engine
     print(f"attempt: {att['status']}: {att['reason']}", flush=True)
+
+
+@needs_engine
+def test_a_commit_without_the_engine_source_is_a_one_line_build_crash(src_ws):
+    from workbench.engine_source import SOURCE_REL, engine_server
+
+    b = src_ws.create_branch("no-engine")
+    g = src_ws.worktree_git("no-engine")
+    g.rm("-r", "-q", SOURCE_REL)
+    g.commit("-q", "-m", "drop the engine source")
+    with pytest.raises(SystemCrash) as e:
+        engine_server(src_ws, src_ws.head("no-engine"))
+    assert e.value.kind == "build" and "has no engine/llama.cpp/" in e.value.reason, e.value.reason
+    assert Path(b.worktree_path).is_dir()

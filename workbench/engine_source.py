@@ -37,6 +37,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import git
+
 from decoder.engines.llamacpp_build import binary, engine_dir, source_dir
 from workbench.gate import untimed
 from workbench.harness import SystemCrash, _die_with_parent, _host_env, sandbox_command, sandbox_spec, sandbox_status
@@ -79,8 +81,12 @@ def _git(ws) -> object:
 
 
 def engine_tree(ws, commit: str) -> str:
-    """The id of `commit`'s engine source tree."""
-    return _git(ws).rev_parse(f"{commit}:{SOURCE_REL}").strip()
+    """The id of `commit`'s engine source tree; SystemCrash("build") when the commit has none."""
+    try:
+        return _git(ws).rev_parse("--verify", "--quiet", f"{commit}^{{commit}}:{SOURCE_REL}").strip()
+    except git.GitCommandError:
+        raise SystemCrash("build", f"commit {commit[:10]} has no {SOURCE_REL}/ (the engine's source was removed "
+                                   f"or moved); the engine is built from it") from None
 
 
 def engine_server(ws, commit: str) -> Path:
