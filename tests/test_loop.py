@@ -351,3 +351,50 @@ def test_the_round_line_names_each_gap_part_apart():
     assert labels == ["compute", "prefill (compute)", "weight reads (weights)", "host/launch overhead",
                       "bookkeeping (host-overhead)"]
     assert len(set(labels)) == len(labels)
+
+
+@pytest.mark.slow
+@needs_demo
+def test_ctrl_c_while_agents_tune_ends_the_run_and_the_round_reruns_them(tmp_path):
+    """SIGINT to `specpilot-tui --auto` while its tuner agents are at work: exit 4 with the resume line, the
+    agents stopped and their systems killed rather than waited for, and nothing they returned after the
+    interrupt saved as finished (the round holds no finished agent, so the same command runs them again)."""
+    import json
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from workbench.workspace import init_demo
+
+    ws = init_demo(tmp_path / "demo", forcing_max_new_tokens=16, prompt_limit=4, hidden=1, bench={"noise_pairs": 1})
+    ws.close()
+    cmd = [sys.executable, "-m", "workbench.tui_entry", "--auto", "--workspace", str(ws.path), "--rounds", "1",
+           "--agents", "2", "--no-global-memory", "--json"]
+    err = tmp_path / "err"
+    with err.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=f)
+    progress = ws.path / ".specpilot" / "progress"
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            phases = [json.loads(p.read_text()).get("phase", "") for p in progress.glob("r1-*.json")
+                      if p.stat().st_size]
+            if any(ph.startswith("tuning") for ph in phases):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, err.read_text()[-3000:]
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert rc == 4 and "interrupted (SIGINT); run the same command again to resume the round" in text, text[-3000:]
+    with sqlite3.connect(ws.path / ".specpilot" / "memory.db") as con:
+        rounds = [(st, json.loads(sm)) for st, sm in con.execute("SELECT status, summary FROM rounds")]
+    ((status, summary),) = [r for r in rounds if "index" in r[1]]
+    assert status == "running" and summary.get("agents", {}) == {} and summary["attempts"] == [], summary

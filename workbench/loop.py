@@ -41,6 +41,7 @@ from workbench.cascade import smoke_run
 from workbench.costing import ceiling_for, commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
 from workbench.executor import LocalEvaluator
 from workbench.forcing import stock_reference
+from workbench.harness import cancel_branch
 from workbench.integration import evaluate_attempt, integrate_kept, record_kept
 from workbench.memory_cli import publish_verdict
 from workbench.planning import plan_directions
@@ -69,8 +70,8 @@ class LocalExecutor:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 @dataclass
@@ -87,6 +88,10 @@ class LoopOptions:
 
 class BudgetExhausted(Exception):
     pass
+
+
+class RoundInterrupted(Exception):
+    """Work of an interrupted round that ended after the interrupt (not saved: the resumed round redoes it)."""
 
 
 def gap_label(gap: dict) -> str:
@@ -349,11 +354,14 @@ class Loop:
             todo.append((name, d, None))
         order = {f"r{index}-{d.family}-{agent.name}": i for i, d in enumerate(dirs)}
         lock = threading.Lock()  # agents and (with a concurrent evaluator) evaluations end in worker threads
+        interrupted = threading.Event()  # Ctrl-C / SIGTERM: what ends after it is not saved as finished
 
         def agent_result(name: str, d: Direction, prior: AgentResult | None) -> AgentResult:
             if prior is not None:
                 return prior
             res = self._run_agent(agent, name, d, gaps, visible)
+            if interrupted.is_set():  # cut short: not finished, so the resumed round runs this agent again
+                raise RoundInterrupted(name)
             self.say(f"round {index}: {name}: agent: {res.message}", "loop.agent",
                      {"branch": name, "committed": res.committed})
             with lock:
@@ -363,6 +371,8 @@ class Loop:
             return res
 
         def record(att: dict) -> None:
+            if interrupted.is_set():  # an evaluation whose systems the interrupt killed is no verdict
+                raise RoundInterrupted(att.get("branch", ""))
             with lock:  # saved as soon as it ends, in the directions' order: a resumed round never evaluates it again
                 summary["attempts"].append(att)
                 summary["attempts"].sort(key=lambda a: order.get(a["branch"], -1))
@@ -385,9 +395,17 @@ class Loop:
                 for name, d, prior in todo:
                     res = prior if prior is not None else results[name].result()
                     record(self._attempt(name, d, agent.name, res, base, base_ar, ceiling))
+        except BaseException:
+            # Interrupted: the agents stop at their next step and their systems die now, so the run ends in
+            # seconds; nothing that ends after this is saved, and the same command resumes the round.
+            interrupted.set()
+            for name, _d, _prior in todo:
+                self.stops.setdefault(name, threading.Event()).set()
+                cancel_branch(name)
+            raise
         finally:
             if self.executor is None:
-                executor.shutdown()
+                executor.shutdown(wait=not interrupted.is_set())
 
         kept = [a for a in summary["attempts"] if a["status"] == "keep"]
         if "integration" not in summary:

@@ -148,7 +148,7 @@ def run_headless(ws, body: Callable[[], T], what: str) -> tuple[int, T | None]:
     try:
         return EXIT_OK, body()
     except KeyboardInterrupt as e:
-        _progress(f"interrupted ({e or 'SIGINT'}); run the same command again to resume the round")
+        _progress(f"interrupted ({str(e) or 'SIGINT'}); run the same command again to resume the round")
         return EXIT_INTERRUPTED, None
     except WorkspaceError as e:
         return fail(str(e)), None
