@@ -19,14 +19,19 @@ from costmodel.accuracy import AccuracyError, StepSweep, sweep_mismatch
 from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment, demo_dir
 from costmodel.entry import MethodEntry
 from costmodel.hardware import LOCAL, get_profile, save_profile
+from costmodel.kernels import WIDTHS as KERNEL_WIDTHS
+from costmodel.kernels import KernelBenchError, kernel_profile_report, plot_kernel_widths
 from costmodel.model_profile import WEIGHT_FORMATS, load_model_profile
 from costmodel.report import build_report, format_table, plot_gaps
 from costmodel.step import DRAFTER_KINDS, Drafter
+from decoder.engines.smollm2 import GGUF_NAME, smollm2_dir
+from workbench.gate import measurement_lock
 
 if TYPE_CHECKING:
     from costmodel.deployment import CostDeployment
 
 EXIT_USAGE = 2
+EXIT_ENGINE = 3  # --kernels: the engine's kernel bench cannot be built or run
 STEP_SWEEP_SECONDS = 4.0  # `costmodel --deployment demo`'s own step measurement, when the profile has none
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a plain file stem: no '/', no leading '.'
 
@@ -87,6 +92,12 @@ def add_parser(subparsers) -> None:
     c.add_argument("--steps-seconds", type=_positive_float, default=STEP_SWEEP_SECONDS,
                    help="with --deployment demo and no step sweep in the profile: the time budget of the short "
                         f"measurement prediction_error scores (default {STEP_SWEEP_SECONDS:g})")
+    c.add_argument("--kernels", metavar="MODEL",
+                   help="rank the engine's matmul kernels against their roofline: a GGUF file, or smollm2 "
+                        "(llama.cpp's CPU kernels from `make llama-cpp`, measured here at --widths)")
+    c.add_argument("--threads", type=_positive_int, default=1, help="--kernels: threads (default 1)")
+    c.add_argument("--widths", type=_widths, default=KERNEL_WIDTHS,
+                   help="--kernels: tokens per forward to measure, e.g. 1,2,4,8,16 (default 1,2,3,4,6,8,12,16)")
     c.set_defaults(func=cmd_costmodel)
 
     p = subparsers.add_parser("profile", help="measure this machine: `profile hardware [--model DIR]`")
@@ -103,6 +114,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", help="write the profile to this file instead of the data dir")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=cmd_profile)
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        ws = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of widths, e.g. 1,2,4,8") from None
+    if not ws or any(not 1 <= w <= 64 for w in ws):
+        raise argparse.ArgumentTypeError(f"{text!r}: every width must be 1-64")
+    return tuple(sorted(set(ws)))
 
 
 def _fail(msg: str) -> int:
@@ -225,11 +246,50 @@ def step_sweep(args: argparse.Namespace, dep: CostDeployment) -> tuple[StepSweep
 def cmd_costmodel(args: argparse.Namespace) -> int:
     """Handler of `specpilot costmodel`: table (or --json) on stdout; 2 on a user error."""
 
+    if args.kernels:
+        return cmd_kernels(args)
     try:
         report = run_costmodel(args)
     except ValueError as e:
         return _fail(str(e))
     print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _kernel_model(name: str) -> Path:
+    if name == "smollm2":
+        path = smollm2_dir() / GGUF_NAME
+        if not path.is_file():
+            raise ValueError(f"--kernels smollm2: {path} is not there; fetch it once with `specpilot bench "
+                             f"--deployment smollm2` (or pass a GGUF file)")
+        return path
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--kernels {name}: no such file; pass a GGUF model file or smollm2")
+    return path
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """`specpilot costmodel --kernels MODEL`: the matmul kernels ranked by their gap to the roofline."""
+    try:
+        model = _kernel_model(args.kernels)
+    except ValueError as e:
+        return _fail(str(e))
+    print(f"measuring {model.name}'s matmul kernels at widths {','.join(map(str, args.widths))} "
+          f"({args.threads} thread(s))...", file=sys.stderr, flush=True)
+    try:
+        with measurement_lock():  # timed: no other SpecPilot timing on this machine meanwhile
+            report, table = kernel_profile_report(model, threads=args.threads, widths=args.widths)
+        if args.plot:
+            plot_kernel_widths(report, Path(args.plot))
+    except KernelBenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ENGINE
+    except ValueError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"--plot {args.plot}: cannot write it ({e.strerror})")
+    print(json.dumps(report) if args.json else table)
     return 0
 
 
