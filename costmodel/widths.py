@@ -72,6 +72,14 @@ class WidthProfile:
         headroom = max(1.0, self.ms[1] / self.roofline_ms) if self.roofline_ms else 1.0
         return self.oracle(max_width)[0] * headroom
 
+    def physical_ceiling(self, max_width: int) -> float:
+        """The ceiling when the engine itself changes (its kernels may make wide forwards cheap, #24): a forward
+        over up to `max_width` tokens still reads every weight once, so no step beats `max_width` tokens per
+        roofline-cost forward: max_width * c(1) / roofline (never below `ceiling`)."""
+        if not self.roofline_ms:
+            return self.ceiling(max_width)
+        return max(self.ceiling(max_width), max(1, max_width) * self.ms[1] / self.roofline_ms)
+
     def as_dict(self) -> dict:
         return {"name": self.name, "ms": {str(w): round(v, 4) for w, v in sorted(self.ms.items())},
                 "source": self.source, "measured": self.measured, "roofline_ms": self.roofline_ms}

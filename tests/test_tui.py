@@ -814,3 +814,28 @@ def test_a_confirmed_branch_shows_the_speedup_it_is_credited_with(ws):
                              metrics={"speedup": 1.547, "confirm": {"speedup": 1.429}})
     rows = {r.name: r for r in data.read_snapshot(ws, None).branches}
     assert rows["confirmed"].speedup == pytest.approx(1.429)
+
+
+def test_overview_shows_stocks_worst_kernels_when_profiled(ws):
+    """A llama.cpp workspace's kernel profile (`.specpilot/kernels.json`, costing.kernel_profile) puts its worst
+    kernels against their roofline on the Overview, at 120x40 and 80x24; without one the line takes no row."""
+    async def go(size):
+        app = app_for(ws)
+        async with app.run_test(notifications=True, size=size) as pilot:
+            await opened(pilot)
+            assert not app.query_one("#kernels").display  # the demo workspace was never kernel-profiled
+            prof = {"forward_ratio": {"1": 1.0, "4": 3.05}, "forward_ms": {"1": 20.0, "4": 61.0},
+                    "kernels": [{"type": "q4_1", "k": 576, "n": 1536, "count": 60, "width": 16, "us": 1118.4,
+                                 "roofline_us": 92.6, "efficiency": 0.083, "gap_ms": 61.54}]}
+            (ws.state / "kernels.json").write_text(json.dumps({"key": {}, "profile": prof}))
+            try:
+                await pilot.pause(1.0)  # the store is polled every 0.3 s
+                w = app.query_one("#kernels")
+                text = str(w.render())
+                assert w.display and "q4_1 576x1536 x60 at width 16: 8% of roofline" in text and "3.05x" in text
+                assert app.is_running
+            finally:
+                (ws.state / "kernels.json").unlink()
+
+    run(go((120, 40)))
+    run(go((80, 24)))

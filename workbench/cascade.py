@@ -2,6 +2,10 @@
 
     guard    uncommitted changes or a protected path touched   -> rejected (nothing runs)
     smoke    the system starts and answers one short request   -> crash
+    kernel   a commit that changes the engine's kernels (ggml/): -> discard (outputs off stock's beyond the
+             its kernels on the deployment's real weights at      tolerance) / crash (does not build or run)
+             the verify widths against stock's, in the sandbox
+             (workbench/kernel_check.py)
     forcing  every position of every forcing prompt vs stock   -> discard (unexplained mismatch) / crash
     bench    paired benchmark against the round's base at every  -> rejected (a timed output is not stock's:
              point of the load (batch sizes; a batch is timed      checked like forcing, every pass)
@@ -29,6 +33,7 @@ from pathlib import Path
 from costmodel.ceiling import plausible
 from workbench.forcing import force, run_system, stock_reference, timed_output_problem
 from workbench.harness import SystemCrash
+from workbench.kernel_check import kernel_check
 from workbench.measure import LOAD_FLOOR, LoadResult, TimedOutputWrong, load_prompts, paired_bench
 from workbench.progress import step
 from workbench.workspace import NOISE_MARGIN, NOISE_PAIRS, Workspace
@@ -144,6 +149,17 @@ def evaluate(ws: Workspace, branch: str, base: str, base_speedup_over_ar: float,
     if not ok:
         return stage("smoke", "crash", msg)
     mem.add_evaluation(b.id, "smoke", "keep", msg)
+
+    if ws.config.engine_source:
+        try:
+            kc = kernel_check(ws, ws.head(branch))
+        except SystemCrash as e:
+            return stage("kernel", "crash", f"{e.kind}: {e.reason}")
+        if kc:
+            say(f"  {branch}: {kc['reason']}")
+            if not kc["ok"]:
+                return stage("kernel", "discard", kc["reason"], kc)
+            mem.add_evaluation(b.id, "kernel", "keep", kc["reason"], metrics=kc)
 
     say(f"  {branch}: forcing")
     rep = force(ws, branch, progress=False)

@@ -23,6 +23,8 @@ from costmodel.hardware import (
     profile_spread,
     save_profile,
 )
+from costmodel.kernels import KernelBenchError, source_digest
+from costmodel.kernels import profile as kernel_profile_of
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
 from costmodel.widths import WidthProfile, measured_profile, width_gaps
@@ -31,6 +33,7 @@ from decoder.engines.llamacpp import bench_widths
 from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.stats import DecodeStats, MethodEntry
 from workbench.cascade import paired_load
+from workbench.engine_source import changed_engine_files
 from workbench.forcing import fixed_server_flags, run_system
 from workbench.measure import load_prompts, measurement_lock, profile_entry
 from workbench.workspace import Workspace, WorkspaceError
@@ -74,6 +77,40 @@ def width_profile(ws: Workspace, say: Say) -> WidthProfile:
     return prof
 
 
+def kernel_profile(ws: Workspace, say: Say) -> dict | None:
+    """Stock's matmul kernels ranked against their roofline (`costmodel.kernels`, #24), measured once per model,
+    threads and bench version and cached in `.specpilot/kernels.json` (the Overview shows the worst); None,
+    said in one line, when they cannot be measured here (no engine build folder, no cpu-local profile)."""
+    cfg = LlamaCppConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
+    threads = cfg.threads or 1
+    key = {"model": str(ws.config.target), "threads": threads, "bench": source_digest()}
+    path = ws.state / "kernels.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["profile"]
+    except (OSError, ValueError, KeyError):
+        pass
+    say(f"measuring llama.cpp's matmul kernels per width against their roofline ({threads} thread(s))")
+    try:
+        with measurement_lock():
+            prof = kernel_profile_of(ws.config.target, threads=threads)
+    except KernelBenchError as e:
+        say(f"the kernel profile is not measured: {e}")
+        return None
+    top = prof["kernels"][:3]
+    say("largest kernel gaps (ms per forward): " + "; ".join(
+        f"{k['type']} {k['k']}x{k['n']} x{k['count']} at width {k['width']}: {k['us']:.0f} us against a roofline of "
+        f"{k['roofline_us']:.0f} ({k['efficiency']:.0%}), {k['gap_ms']:.1f}" for k in top)
+        + "; a forward's matmuls over 4 tokens cost "
+        + f"{prof['forward_ratio'].get('4', float('nan')):.2f}x one token's", "loop.kernels",
+        {"kernels": top, "forward_ms": prof["forward_ms"]})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "profile": prof}))
+    os.replace(tmp, path)
+    return prof
+
+
 def _memory_bandwidth() -> tuple[float, str]:
     """This machine's memory bandwidth in GB/s: the stored cpu-local profile's, else a copy measured now (the
     best of 5 copies of 256 MiB, bytes read plus written)."""
@@ -99,7 +136,9 @@ def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile | WidthProfile:
     serves, and the ceiling's announcement says it is unreliable. A llama.cpp workspace's is its width
     profile (`width_profile`)."""
     if ws.config.engine == "llama.cpp":
-        return width_profile(ws, say)
+        prof = width_profile(ws, say)
+        kernel_profile(ws, say)
+        return prof
     from decoder.lab.hardware import measure_cpu_local_repeated  # torch: only when a measurement is due
 
     try:
@@ -139,6 +178,8 @@ def ceiling_for(ws: Workspace, hw: HardwareProfile | WidthProfile, commit: str, 
         width = ws.contract.verify_width(ws.config_at(commit))
     except WorkspaceError:
         return floor
+    if isinstance(hw, WidthProfile) and ws.config.engine_source and changed_engine_files(ws, commit):
+        return max(floor, hw.physical_ceiling(width))  # its own engine: width costs measured on stock do not bind it
     return max(floor, oracle_ceiling(ws, hw, width - 1))
 
 

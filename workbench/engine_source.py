@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import git
 
+from costmodel.kernels import BENCH_SOURCE, KernelBenchError, compile_command, stock_bench
 from decoder.engines.llamacpp_build import binary, engine_dir, source_dir
 from workbench.gate import untimed
 from workbench.harness import SystemCrash, _die_with_parent, _host_env, sandbox_command, sandbox_spec, sandbox_status
@@ -52,6 +54,9 @@ SOURCE_PARTS = ("CMakeLists.txt", "LICENSE", "cmake", "include", "src", "ggml", 
 OLD_MTIME = 946_684_800  # 2000-01-01: files unchanged from stock are older than every output of the seed build
 BUILD_TIMEOUT_S = 1800
 BUILD_JOBS = 2
+# What a candidate's build keeps: the server, llama-bench (its forward cost per width) and the kernel bench
+# (kernels/ggml_matmul_bench.c linked against the candidate's ggml: the kernel test and micro-benchmark).
+TOOLS = ("llama-server", "llama-bench", "ggml-matmul-bench")
 
 
 class EngineSourceError(Exception):
@@ -89,23 +94,46 @@ def engine_tree(ws, commit: str) -> str:
                                    f"or moved); the engine is built from it") from None
 
 
+def changed_engine_files(ws, commit: str, under: str = "") -> list[str]:
+    """The engine source files (paths inside the engine tree) that `commit` changes against stock, those under
+    `under` (e.g. "ggml/") when given."""
+    names = _git(ws).diff("--name-only", "--no-renames", "-z", ws.stock_commit, commit, "--",
+                          f"{SOURCE_REL}/{under}".rstrip("/"))
+    return sorted(n[len(SOURCE_REL) + 1:] for n in names.split("\0") if n.startswith(f"{SOURCE_REL}/{under}"))
+
+
 def engine_server(ws, commit: str) -> Path:
     """`llama-server` built from the engine source at `commit` (built now when no commit with that tree
     was built before); SystemCrash("build", one line) when it does not build."""
+    return engine_tool(ws, commit, "llama-server")
+
+
+def engine_tool(ws, commit: str, name: str) -> Path:
+    """One of TOOLS built from the engine source at `commit`: stock's tree gives the engine cache's own
+    (`make llama-cpp`; the kernel bench compiled against its libraries), another tree the binaries of its
+    build, built now when none was (a build of an older SpecPilot without all of TOOLS is built again)."""
+    if name not in TOOLS:
+        raise ValueError(f"unknown engine tool {name!r}; one of {', '.join(TOOLS)}")
     tree = engine_tree(ws, commit)
-    if tree == engine_tree(ws, ws.stock_commit):
-        return binary("llama-server")  # the source as carried: the engine cache's own build
+    if tree == engine_tree(ws, ws.stock_commit):  # the source as carried: the engine cache's own build
+        if name == "ggml-matmul-bench":
+            try:
+                return stock_bench()
+            except KernelBenchError as e:
+                raise SystemCrash("build", str(e)) from None
+        return binary(name)
     root = ws.state / "engine-builds"
-    server = root / tree / "bin" / "llama-server"
-    if server.is_file():
-        return server
+    bin_dir = root / tree / "bin"
+    if all((bin_dir / t).is_file() for t in TOOLS):
+        return bin_dir / name
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{tree}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per tree; a second evaluation waits and reuses it
-        if not server.is_file():
+        if not all((bin_dir / t).is_file() for t in TOOLS):
+            shutil.rmtree(root / tree, ignore_errors=True)
             with untimed():
                 _build(ws, commit, tree, root / tree)
-    return server
+    return bin_dir / name
 
 
 def _build(ws, commit: str, tree: str, out: Path) -> None:
@@ -125,8 +153,11 @@ def _build(ws, commit: str, tree: str, out: Path) -> None:
         shutil.copytree(engine_dir() / "build", bld, symlinks=True)
         step("building the engine", detail=f"compiling what changed ({len(changed)} file(s)); log {log.name}")
         cache_build = engine_dir() / "build"
-        spec = sandbox_spec(src, [], ["/usr/bin/cmake", "--build", str(cache_build), "--target", "llama-server",
-                                      "-j", str(BUILD_JOBS)],
+        build = shlex.join(["/usr/bin/cmake", "--build", str(cache_build), "--target", "llama-server", "llama-bench",
+                            "-j", str(BUILD_JOBS)])
+        kernel_bench = shlex.join(compile_command(source_dir() / "ggml" / "include", cache_build,
+                                                  cache_build / "bin" / "ggml-matmul-bench"))
+        spec = sandbox_spec(src, [BENCH_SOURCE.parent], ["/bin/sh", "-c", f"{build} && {kernel_bench}"],
                             {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "TMPDIR": "/tmp"},
                             int(ws.config.limits.get("memory_mb", 4096)))
         # The sdist's git metadata: the seed build's CMake step depends on its index (read-only, from the cache).
@@ -141,14 +172,15 @@ def _build(ws, commit: str, tree: str, out: Path) -> None:
                                    env=_host_env(), timeout=BUILD_TIMEOUT_S, preexec_fn=_die_with_parent)
             except subprocess.TimeoutExpired:
                 raise SystemCrash("build", f"the engine build ran over {BUILD_TIMEOUT_S} s (log: {log})") from None
-        built = bld / "bin" / "llama-server"
         if r.returncode != 0:
             raise SystemCrash("build", f"the engine does not build: {_first_error(log)} (log: {log})")
-        if not stat.S_ISREG(os.lstat(built).st_mode):
-            raise SystemCrash("build", f"the engine build made no llama-server binary (log: {log})")
         (tmp / "bin").mkdir()
-        shutil.copyfile(built, tmp / "bin" / "llama-server")
-        os.chmod(tmp / "bin" / "llama-server", 0o755)
+        for name in TOOLS:
+            built = bld / "bin" / name
+            if not stat.S_ISREG(os.lstat(built).st_mode):
+                raise SystemCrash("build", f"the engine build made no {name} binary (log: {log})")
+            shutil.copyfile(built, tmp / "bin" / name)
+            os.chmod(tmp / "bin" / name, 0o755)
         shutil.rmtree(src)
         shutil.rmtree(bld)
         os.chmod(tmp, 0o755)
@@ -158,7 +190,7 @@ def _build(ws, commit: str, tree: str, out: Path) -> None:
             f.write(f"\nspecpilot: built {out / 'bin' / 'llama-server'} in {time.monotonic() - t0:.0f} s "
                     f"({len(changed)} changed file(s))\n")
     except FileNotFoundError as e:
-        raise SystemCrash("build", f"the engine build made no llama-server binary ({e.filename}; log: {log})") from None
+        raise SystemCrash("build", f"the engine build made no binary ({e.filename}; log: {log})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

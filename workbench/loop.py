@@ -35,6 +35,7 @@ from decoder.config import ConfigError, DecodeConfig, dump_table
 from decoder.stats import MethodEntry
 from store import Memory, global_memory_path
 from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, SmokeResult
+from workbench.agents.kernel import applicable as applicable_kernels
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
 from workbench.agents.tuner import TunerAgent
 from workbench.cascade import smoke_run
@@ -231,7 +232,8 @@ class Loop:
         out, tried = plan_directions(breakdown, exhausted, agents=self.opts.agents, agent=self.opts.agent,
                                      device=device, base_cfg=base_cfg, memory_for=self._memory_for,
                                      transfer_tried=self.transfer_tried(), refuse=self.ws.refusal,
-                                     contract=self.ws.contract)
+                                     contract=self.ws.contract,
+                                     kernels_for=lambda fam: applicable_kernels(self.ws, base, fam) if base else [])
         self._transfer_tried = self._transfer_tried or tried
         return out
 

@@ -23,11 +23,14 @@ def registry_mechanisms(family: str, device: str, contract: Contract = TORCH) ->
 def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent: str, device: str,
                     base_cfg: DecodeConfig | None, memory_for: Callable[[str], list[dict]],
                     transfer_tried: bool, refuse: Callable[[DecodeConfig], str | None] | None = None,
-                    contract: Contract = TORCH) -> tuple[list[Direction], bool]:
+                    contract: Contract = TORCH,
+                    kernels_for: Callable[[str], list] | None = None) -> tuple[list[Direction], bool]:
     """Up to `agents` directions from the gap breakdown, largest gap first (families where other deployments
     accepted mechanisms first among equals), skipping families explored without a gain (`exhausted`), with
     nothing to gain, or, for the tuner, with nothing left to turn on `base_cfg`. The first time memory has
     something (`transfer_tried` false), the first agent also composes every mechanism accepted elsewhere.
+    A family with a known kernel patch the base does not carry (`kernels_for`, a workspace carrying the engine's
+    source) has something for the tuner even with nothing left to turn in the config.
     Returns (directions, whether that transfer was tried now)."""
     fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
     out = []
@@ -36,10 +39,14 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
             continue  # explored without a gain on this base, or nothing to gain (e.g. batching at B = 1)
         mechs = registry_mechanisms(fam, device, contract)
         memory = memory_for(fam)
-        if agent == "tuner" and not mechs and not memory:
+        kernels = kernels_for(fam) if kernels_for is not None and agent == "tuner" else []
+        if agent == "tuner" and not mechs and not memory and not kernels:
             continue  # the tuner has nothing to turn for this family
-        if base_cfg is not None and not candidates(base_cfg, fam, memory, refuse=refuse, contract=contract):
+        if (base_cfg is not None and not kernels
+                and not candidates(base_cfg, fam, memory, refuse=refuse, contract=contract)):
             continue  # every mechanism of the family is already on in the base: no agent slot for it
+        if kernels:
+            mechs = mechs + [{"name": k.name, "kernel": k.patch.name, "summary": k.summary} for k in kernels]
         gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
         out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
     out.sort(key=lambda d: (not d.memory, -d.gap_ms))

@@ -24,6 +24,8 @@ from decoder.config import ConfigError, DecodeConfig, choose_draft_len, dump_tab
 from decoder.contract import near_tie_threshold
 from decoder.mechanisms import CONTRACTS, Contract
 from workbench.agents.base import AgentContext, AgentResult
+from workbench.agents.kernel import applicable as applicable_kernels
+from workbench.agents.kernel import kernel_search
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock
 from workbench.progress import step
@@ -177,6 +179,9 @@ class TunerAgent:
 
     def run(self, ctx: AgentContext) -> AgentResult:
 
+        kernels = applicable_kernels(self.ws, self.ws.head(ctx.branch), ctx.direction.family)
+        if kernels:  # a workspace carrying the engine's source: known kernel patches for this gap first
+            return kernel_search(self.ws, ctx, kernels)
         wt = ctx.worktree
         try:  # from the git object, not the worktree file: every key, the system's own knobs included
             table = self.ws.config_at(self.ws.head(ctx.branch))

@@ -75,6 +75,7 @@ class Snapshot:
     branches: list[BranchRow] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)  # new since the id asked for
     last_event_id: int = 0
+    kernels: dict = field(default_factory=dict)  # stock's kernel profile (llama.cpp, `costing.kernel_profile`)
 
 
 def short_model(path: Path | str | None) -> str:
@@ -178,6 +179,10 @@ def read_snapshot(ws: Workspace, after_event_id: int | None) -> Snapshot:
             phase = ("profiling" if "gaps" not in s else "choosing directions" if "directions" not in s
                      else "integrating" if total and done >= total else "agents")
             snap.current = RoundProgress(n, phase, done, total)
+    try:
+        snap.kernels = json.loads((ws.state / "kernels.json").read_text())["profile"]
+    except (OSError, ValueError, KeyError):
+        pass
     snap.stock_speedup = _loop_speedup(ws, "stock")
     snap.final_speedup = _loop_speedup(ws, "final")
     live = read_progress(ws.state)

@@ -119,11 +119,27 @@ class RoundProgressView(Horizontal):
         bar.update(total=max(current.total, 1), progress=current.done)
 
 
+def kernel_lines(prof: dict, top: int = 3) -> Text:
+    """Stock's worst kernels against their roofline (llama.cpp workspaces), and what a wide forward costs."""
+    if not prof or not prof.get("kernels"):
+        return Text("")
+    ratio = prof.get("forward_ratio", {})
+    text = Text.assemble(("Kernels against their roofline", "bold"),
+                         (f"  (stock's; a forward's matmuls over 4 tokens: {ratio['4']:.2f}x one token's)"
+                          if "4" in ratio else "", "dim"))
+    for k in prof["kernels"][:top]:
+        text.append(f"\n  {k['type']} {k['k']}x{k['n']} x{k['count']} at width {k['width']}: ")
+        text.append(f"{k['efficiency']:.0%} of roofline", style="yellow" if k["efficiency"] < 0.5 else "")
+        text.append(f", {k['gap_ms']:.1f} ms lost per forward", style="dim")
+    return text
+
+
 class OverviewPane(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("", id="deployment")
         yield Label("Gap breakdown (ms per generated token)", classes="title")
         yield GapBars(id="gaps")
+        yield Static("", id="kernels")
         yield Label("Speedup over AR across rounds", classes="title")
         yield SpeedupPlot(id="speedup")
         yield RoundProgressView(id="round")
@@ -146,6 +162,9 @@ class OverviewPane(VerticalScroll):
                 caption += (f": measured {snap.measured_ms:.2f} ms/token, the solid bars add up to it "
                             f"({sum(snap.families.values()):.2f})")
         self.query_one(GapBars).show(snap.families, caption, snap.could_save)
+        kern = self.query_one("#kernels", Static)
+        kern.update(kernel_lines(snap.kernels))
+        kern.display = bool(snap.kernels.get("kernels"))
         self.query_one(SpeedupPlot).show(snap.speedups, snap.stock_speedup, snap.final_speedup)
         self.query_one(RoundProgressView).show(snap.current)
 

@@ -1,0 +1,256 @@
+"""Kernels against their roofline and the kernel-level test (#24): costmodel/kernels.py,
+kernels/ggml_matmul_bench.c, workbench/kernel_check.py and the cascade's kernel stage.
+
+The pricing and the comparison are pure and always run. The bench runs against the real llama.cpp build
+(`make llama-cpp`) on SmolLM2-135M-Instruct Q4_1 (fetched by `bench --deployment smollm2`), skipped in one
+line when either is missing; the candidate builds (a real kernel patch, and that patch made wrong) are
+slow tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from costmodel import kernels as K
+from costmodel.widths import WidthProfile
+from decoder.contract import data_dir
+from decoder.engines import llamacpp_build as build
+from decoder.engines.smollm2 import GGUF_NAME
+from workbench.cli import main
+from workbench.harness import sandbox_status
+
+ENGINES = build.engines_root()  # read before conftest gives each test a private data dir
+USER_MODELS = data_dir() / "models"
+SMOLLM2 = USER_MODELS / "smollm2" / GGUF_NAME
+PATCH = Path(__file__).resolve().parent.parent / "kernels" / "ggml" / "q4_1_cols.patch"
+
+
+def _ready() -> bool:
+    return build.is_built() and (build.engine_dir() / "build" / "build.ninja").is_file() and SMOLLM2.is_file()
+
+
+needs_engine = pytest.mark.skipif(not _ready(), reason="llama.cpp is not built with its build folder (`make "
+                                                       "llama-cpp`), or SmolLM2 was never fetched")
+
+
+def _row(**kw) -> dict:
+    return {"type": "q4_1", "k": 576, "n": 1536, "count": 60, "tensor": "blk.0.ffn_up.weight", "width": 1,
+            "us": 100.0, "weight_bytes": 552960, "runs": 5, **kw}
+
+
+def test_a_kernel_is_priced_against_bytes_over_bandwidth_and_flops_over_peak():
+    roof = K.Roofline(bandwidth_GBps=10.0, fp32_gflops=50.0, int8_factor=4.0, source="test")
+    # width 1: memory-bound: (552960 + 4*576 + 4*1536) bytes / 10 GB/s
+    w1 = K.kernel_rows([_row()], roof)[0]
+    assert w1.roofline_us == pytest.approx((552960 + 4 * 576 + 4 * 1536) / 1e4)
+    # width 16: compute-bound at the int8 peak: 2*576*1536*16 flops / 200 GFLOP/s
+    w16 = K.kernel_rows([_row(width=16, us=1000.0)], roof)[0]
+    assert w16.roofline_us == pytest.approx(2 * 576 * 1536 * 16 / 2e5)
+    assert w16.gap_ms == pytest.approx(60 * (1000.0 - w16.roofline_us) / 1000)
+    # a float type runs at the fp32 peak; a kernel under its roofline has no gap; forward rows are not kernels
+    f = K.kernel_rows([_row(type="f32", width=16, us=10.0)], roof)[0]
+    assert f.roofline_us == pytest.approx(2 * 576 * 1536 * 16 / 5e4) and f.gap_ms == 0.0
+    ranked = K.kernel_rows([_row(), _row(width=16, us=1000.0), {"type": "forward", "width": 1, "us": 9.0}], roof)
+    assert [r.width for r in ranked] == [16, 1]
+
+
+def test_the_profile_reports_the_forward_per_width_and_its_table(tmp_path):
+    roof = K.Roofline(10.0, 50.0, 4.0, "test roofline")
+    rows = [_row(), _row(width=4, us=150.0), {"type": "forward", "width": 1, "us": 20000.0},
+            {"type": "forward", "width": 4, "us": 30000.0}]
+    rep = K.profile(tmp_path / "m.gguf", threads=1, rows=rows, roofline=roof)
+    assert rep["forward_ms"] == {"1": 20.0, "4": 30.0} and rep["forward_ratio"]["4"] == 1.5
+    assert rep["roofline_forward_ms"] == pytest.approx(60 * 552960 / 1e7, rel=1e-3)
+    table = K.format_profile(rep)
+    assert "w4 30.0 (1.50x)" in table and "q4_1 576x1536 x60 at w4" in table
+
+
+def test_candidate_outputs_are_held_against_stock(tmp_path):
+    stock, cand = tmp_path / "s", tmp_path / "c"
+    stock.mkdir(), cand.mkdir()
+    a = np.linspace(-3, 3, 1000, dtype=np.float32)
+    a.tofile(stock / "q4_1-576x576-w1.f32")
+    a.tofile(cand / "q4_1-576x576-w1.f32")
+    assert K.compare_outputs(stock, cand) | {"per_file": None} == {
+        "files": 1, "bit_exact": True, "max_rel_error": 0.0, "tolerance": K.TOLERANCE, "ok": True, "per_file": None}
+    (a + np.float32(1e-5)).tofile(cand / "q4_1-576x576-w1.f32")  # a reordered sum: within the tolerance
+    r = K.compare_outputs(stock, cand)
+    assert r["ok"] and not r["bit_exact"] and 0 < r["max_rel_error"] < K.TOLERANCE
+    (a * np.float32(1.01)).tofile(cand / "q4_1-576x576-w1.f32")  # a wrong kernel
+    assert not K.compare_outputs(stock, cand)["ok"]
+    b = a.copy()
+    b[3] = np.nan
+    b.tofile(cand / "q4_1-576x576-w1.f32")
+    assert not K.compare_outputs(stock, cand)["ok"]
+    a[:10].tofile(cand / "q4_1-576x576-w1.f32")
+    with pytest.raises(K.KernelBenchError, match="wrote 10 outputs, stock 1000"):
+        K.compare_outputs(stock, cand)
+    (cand / "q4_1-576x576-w1.f32").unlink()
+    with pytest.raises(K.KernelBenchError, match="wrote no q4_1-576x576-w1.f32"):
+        K.compare_outputs(stock, cand)
+
+
+def test_an_engine_that_changes_its_kernels_gets_the_physical_ceiling():
+    prof = WidthProfile("t", {1: 20.0, 2: 30.0, 4: 60.0}, roofline_ms=8.0)
+    # measured widths: width 2 is the oracle (1.33x), times the room down to the roofline (2.5x)
+    assert prof.ceiling(4) == pytest.approx(2 * 20 / 30 * 20 / 8)
+    # kernels may make any width cost the roofline: 4 tokens per 8 ms against 20 ms per token
+    assert prof.physical_ceiling(4) == pytest.approx(4 * 20 / 8)
+    assert WidthProfile("t", {1: 20.0, 2: 30.0}).physical_ceiling(4) == WidthProfile("t", {1: 20.0, 2: 30.0}).ceiling(4)
+
+
+def test_costmodel_kernels_errors_are_one_line(tmp_path, capsys):
+    assert main(["costmodel", "--kernels", str(tmp_path / "missing.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file" in err
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model")
+    # the private data dir has no engine build: exit 3, one line naming the fix
+    assert main(["costmodel", "--kernels", str(junk)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "make llama-cpp" in err[-1] and "Traceback" not in "".join(err)
+    with pytest.raises(SystemExit) as e:
+        main(["costmodel", "--kernels", str(junk), "--widths", "0,4"])
+    assert e.value.code == 2
+
+
+@pytest.fixture
+def _real_engines(monkeypatch):
+    monkeypatch.setenv("SPECPILOT_ENGINES_DIR", str(ENGINES))
+
+
+@needs_engine
+def test_the_stock_bench_is_deterministic_on_the_real_weights(tmp_path, _real_engines):
+    bench = K.stock_bench()
+    a = K.run_bench(bench, SMOLLM2, threads=1, widths=(1, 3), check=True, dump=tmp_path)
+    b = K.run_bench(bench, SMOLLM2, threads=1, widths=(1, 3), check=True)
+    groups = {(r["type"], r["k"], r["n"]) for r in a}
+    assert groups == {("q8_0", 576, 49152), ("q4_1", 576, 1536), ("q4_1", 1536, 576), ("q4_1", 576, 576),
+                      ("q4_1", 576, 192)}
+    assert sum(r["count"] for r in a if r["width"] == 1) == 211  # 7 matmuls x 30 layers, and the tied lm_head
+    assert [r["hash"] for r in a] == [r["hash"] for r in b]  # same weights, same activations, same kernels
+    assert K.compare_outputs(tmp_path, tmp_path)["bit_exact"]
+    timed = K.run_bench(bench, SMOLLM2, threads=1, widths=(1, 2), min_ms=5)
+    assert {r["width"] for r in timed if r["type"] == "forward"} == {1, 2}
+    assert all(r["us"] > 0 for r in timed)
+
+
+@needs_engine
+def test_costmodel_kernels_ranks_the_engines_kernels(tmp_path, capsys, _real_engines):
+    from costmodel.hardware import HardwareProfile, save_profile
+
+    save_profile(HardwareProfile("cpu-local", 12.0, 0.1, None, 0.0, 0.08, source="test", measured={"threads": 1}))
+    assert main(["costmodel", "--kernels", str(SMOLLM2), "--widths", "1,4", "--json", "--plot",
+                 str(tmp_path / "k.png")]) == 0
+    import json
+
+    rep = json.loads(capsys.readouterr().out)
+    assert set(rep["forward_ms"]) == {"1", "4"} and rep["kernels"][0]["gap_ms"] >= rep["kernels"][-1]["gap_ms"]
+    assert (tmp_path / "k.png").stat().st_size > 1000
+
+
+def _kernel_ws(tmp_path_factory):
+    from workbench.workspace import init_llamacpp
+
+    return init_llamacpp(tmp_path_factory.mktemp("kern") / "ws", target=SMOLLM2.resolve(),
+                         tokenizer=(USER_MODELS / "smollm2" / "hf").resolve(),
+                         prompts=str((USER_MODELS / "smollm2" / "prompts" / "code.jsonl").resolve()), prompt_limit=2,
+                         forcing_max_new_tokens=16, with_source=True)
+
+
+def _commit_patch(ws, branch: str, patch: str) -> str:
+    import subprocess
+
+    b = ws.create_branch(branch)
+    wt = Path(b.worktree_path)
+    subprocess.run(["git", "apply", "--directory=engine/llama.cpp", "-"], input=patch, text=True, cwd=wt, check=True)
+    g = ws.worktree_git(branch)
+    g.add("-A")
+    g.commit("-q", "-m", f"{branch}: kernel")
+    return ws.head(branch)
+
+
+@pytest.mark.slow
+@needs_engine
+@pytest.mark.skipif(not sandbox_status()[0], reason="no sandbox here")
+def test_a_kernel_patch_passes_the_kernel_test_and_a_wrong_one_is_discarded_before_forcing(
+        tmp_path_factory, _real_engines):
+    from workbench.cascade import evaluate
+    from workbench.kernel_check import kernel_check
+
+    ws = _kernel_ws(tmp_path_factory)
+    try:
+        good = _commit_patch(ws, "q41cols", PATCH.read_text())
+        r = kernel_check(ws, good)
+        assert r["kernel_files"] == ["ggml/src/ggml-cpu/ggml-cpu.c"]
+        assert r["ok"] and not r["bit_exact"] and r["max_rel_error"] < K.TOLERANCE / 3, r["reason"]
+        micro = r["micro"]["candidate_forward_ms"]
+        assert set(micro) == {"1", "2", "4", "8", "16"}
+        assert "reported by the candidate" in r["micro"]["candidate_timing"]
+        # the same patch with the Q4_1 minimum term dropped: it builds, runs, and is wrong
+        wrong = PATCH.read_text().replace("+        acc[c] = _mm256_fmadd_ps(m0v, s1v, acc[c]);\n",
+                                          "+        (void) s1v;\n")
+        assert wrong != PATCH.read_text()
+        _commit_patch(ws, "q41wrong", wrong)
+        att = evaluate(ws, "q41wrong", ws.stock_commit, 1.0, 10.0)
+        assert att.status == "discard" and att.reason.startswith("kernel test: outputs differ from stock by"), att
+        stages = [e.stage for e in ws.memory.list_evaluations(ws.branch("q41wrong").id)]
+        assert stages[-1] == "kernel" and "forcing" not in stages
+    finally:
+        ws.close()
+
+
+def test_the_kernel_library_and_what_a_patch_adds():
+    from workbench.agents.kernel import _added_lines, library
+
+    lib = {k.name: k for k in library()}
+    k = lib["ggml-q4_1-cols"]
+    assert k.patch == PATCH and k.weight_types == ("q4_1",) and {"compute", "weights"} == set(k.families)
+    added = _added_lines(k.text())
+    assert list(added) == ["ggml/src/ggml-cpu/ggml-cpu.c"]
+    assert any("ggml_q4_1_cols_rows(src0" in line for line in added["ggml/src/ggml-cpu/ggml-cpu.c"])
+
+
+def test_a_family_with_a_known_kernel_gets_a_tuner_even_with_nothing_to_turn_in_the_config():
+    from decoder.engines.llamacpp_config import LlamaCppConfig
+    from decoder.mechanisms import contract_for
+    from workbench.agents.kernel import library
+    from workbench.planning import plan_directions
+
+    bd = {"families": {"weights": 21.7, "host-overhead": 2.0},
+          "gaps": [{"name": "one-token forwards", "family": "weights"}, {"name": "server", "family": "host-overhead"}]}
+    args = {"agents": 2, "agent": "tuner", "device": "cpu", "base_cfg": LlamaCppConfig(), "transfer_tried": False,
+            "memory_for": lambda fam: [], "contract": contract_for("llama.cpp")}
+    without, _ = plan_directions(bd, set(), **args)
+    assert "weights" not in [d.family for d in without]  # no llama.cpp flag addresses the weights gap
+    kern = [k for k in library() if k.name == "ggml-q4_1-cols"]
+    with_k, _ = plan_directions(bd, set(), kernels_for=lambda fam: kern if fam == "weights" else [], **args)
+    assert with_k[0].family == "weights" and with_k[0].mechanisms[-1]["name"] == "ggml-q4_1-cols"
+
+
+@pytest.mark.slow
+@needs_engine
+@pytest.mark.skipif(not sandbox_status()[0], reason="no sandbox here")
+def test_the_tuner_applies_a_known_kernel_for_the_weights_gap_and_not_twice(tmp_path_factory, _real_engines):
+    from workbench.agents.base import AgentContext, Direction, SmokeResult
+    from workbench.agents.kernel import applicable
+    from workbench.agents.tuner import TunerAgent
+
+    ws = _kernel_ws(tmp_path_factory)
+    try:
+        assert [k.name for k in applicable(ws, ws.stock_commit, "weights")] == ["ggml-q4_1-cols"]
+        assert applicable(ws, ws.stock_commit, "drafting") == []
+        b = ws.create_branch("r1-weights-tuner")
+        logged = []
+        ctx = AgentContext("r1-weights-tuner", Path(b.worktree_path), Direction("weights", 21.7, "weights: 21.7"), [],
+                           [], lambda: SmokeResult(True, "ok"), lambda kind, msg, payload: logged.append(msg),
+                           git_common_dir=Path(ws.repo.git_dir))
+        res = TunerAgent(ws).run(ctx)
+        assert res.committed and res.mechanism == "ggml-q4_1-cols", res.message
+        assert res.message.startswith("kernel ggml-q4_1-cols: kernel test: within") and "micro-benchmark" in res.message
+        head = ws.head("r1-weights-tuner")
+        assert applicable(ws, head, "weights") == []  # the base that carries it is not offered it again
+    finally:
+        ws.close()
