@@ -23,7 +23,7 @@ from costmodel.hardware import (
     profile_spread,
     save_profile,
 )
-from costmodel.kernels import KernelBenchError, source_digest
+from costmodel.kernels import KernelBenchError, local_roofline, source_digest
 from costmodel.kernels import profile as kernel_profile_of
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
@@ -91,10 +91,11 @@ def kernel_profile(ws: Workspace, say: Say) -> dict | None:
             return saved["profile"]
     except (OSError, ValueError, KeyError):
         pass
-    say(f"measuring llama.cpp's matmul kernels per width against their roofline ({threads} thread(s))")
     try:
+        roof = local_roofline(threads)  # first: without this machine's profile nothing is measured
+        say(f"measuring llama.cpp's matmul kernels per width against their roofline ({threads} thread(s))")
         with measurement_lock():
-            prof = kernel_profile_of(ws.config.target, threads=threads)
+            prof = kernel_profile_of(ws.config.target, threads=threads, roofline=roof)
     except KernelBenchError as e:
         say(f"the kernel profile is not measured: {e}")
         return None
