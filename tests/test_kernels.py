@@ -250,6 +250,8 @@ def test_the_tuner_applies_a_known_kernel_for_the_weights_gap_and_not_twice(tmp_
         res = TunerAgent(ws).run(ctx)
         assert res.committed and res.mechanism == "ggml-q4_1-cols", res.message
         assert res.message.startswith("kernel ggml-q4_1-cols: kernel test: within") and "micro-benchmark" in res.message
+        ev = res.details["kernel_evidence"]  # what the memory keeps for the kernel to transfer
+        assert ev["weight_types"] == ["q4_1"] and "avx512_vnni" in ev["cpu_flags"] and ev["max_rel_error"] < 1e-4
         head = ws.head("r1-weights-tuner")
         assert applicable(ws, head, "weights") == []  # the base that carries it is not offered it again
     finally:

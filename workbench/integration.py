@@ -31,7 +31,8 @@ def evaluate_attempt(ws: Workspace, name: str, family: str, agent: str, res: Age
     att: Attempt = run(ws, name, base, base_ar, ceiling, min_gain=min_gain, progress=say)
     out = {"branch": name, "agent": agent, "direction": family, "status": att.status, "reason": att.reason,
            "speedup": att.speedup, "speedup_over_ar": att.speedup_over_ar, "mechanism": res.mechanism,
-           "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95, "points": att.points}
+           "summary": res.summary, "config": res.details.get("config"), "ci95": att.ci95, "points": att.points,
+           **({"kernel": res.details["kernel_evidence"]} if res.details.get("kernel_evidence") else {})}
     say(f"  {name}: {att.status}: {att.reason}", "loop.attempt", out)
     return out
 
@@ -82,7 +83,7 @@ def record_kept(ws: Workspace, a: dict, base: str, family: str, index: int | Non
     launch record the same way); sets a["mechanism_id"]."""
     ev = {"deployment": ws.config.name, "speedup": a["speedup"], "speedup_over_ar": a.get("speedup_over_ar"),
           **({"round": index} if index is not None else {}), "branch": a["branch"], "forcing": "clean",
-          "config": a.get("config") or {}}
+          "config": a.get("config") or {}, **({"kernel": a["kernel"]} if a.get("kernel") else {})}
     m = record_mechanism(ws, a["branch"], a.get("mechanism") or a["branch"], family, a.get("summary") or a["reason"],
                          evidence=ev, base=base)
     a["mechanism_id"] = m.id

@@ -14,6 +14,7 @@ only decides what the agent submits, never a verdict.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,27 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def kernel_shapes(ws, k: KernelPatch) -> list[list]:
+    """[type, k, n, count] of the deployment's weight groups whose type the patch changes (from stock's kernel
+    profile when the loop measured one)."""
+    try:
+        prof = json.loads((ws.state / "kernels.json").read_text())["profile"]
+    except (OSError, ValueError, KeyError):
+        return []
+    seen = {(r["type"], r["k"], r["n"], r["count"]) for r in prof.get("kernels", []) if r["type"] in k.weight_types}
+    return [list(s) for s in sorted(seen)]
 
 
 def _added_lines(patch: str) -> dict[str, list[str]]:
@@ -124,9 +146,15 @@ def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch]) -> AgentRes
         best = max((gain.get(w, 0.0) for w in ("1", "4")), default=0.0)
         if kc["ok"] and best >= MIN_PREDICTED_GAIN:
             where = ", ".join(f"w{w} {v:.2f}x" for w, v in gain.items())
+            # What the memory keeps so the kernel transfers to deployments that share its weight types and shapes
+            # on the same kind of CPU: the shapes are the model's weight groups the patch's types cover.
+            evidence = {"name": k.name, "weight_types": list(k.weight_types), "cpu_flags": list(k.cpu_flags),
+                        "shapes": kernel_shapes(ws, k), "kernel_test": kc["reason"],
+                        "max_rel_error": kc.get("max_rel_error"), "micro": kc.get("micro"),
+                        "cpu": cpu_model()}
             return AgentResult(True, f"kernel {k.name}: {kc['reason']}; the candidate's micro-benchmark of the "
                                      f"forward's matmuls: {where} of stock's", mechanism=k.name, summary=k.summary,
-                               details={"kernel": k.name, "kernel_check": kc})
+                               details={"kernel": k.name, "kernel_check": kc, "kernel_evidence": evidence})
         g.reset("-q", "--hard", "HEAD~1")
         tried.append(f"{k.name}: {kc['reason'] if not kc['ok'] else 'no gain in its micro-benchmark'}")
     return AgentResult(False, "no kernel patch kept: " + "; ".join(tried) if tried else "stopped")
