@@ -210,6 +210,17 @@ def kernel_rows(rows: Sequence[Mapping], roofline: Roofline) -> list[KernelRow]:
     return sorted(out, key=lambda r: -r.gap_ms)
 
 
+def worst_per_group(kernels: Sequence[Mapping], top: int = 3) -> list[Mapping]:
+    """The `top` weight groups with the largest gap, each at its worst width (`kernels` ranked by gap)."""
+    seen, out = set(), []
+    for k in kernels:
+        g = (k["type"], k["k"], k["n"])
+        if g not in seen:
+            seen.add(g)
+            out.append(k)
+    return out[:top]
+
+
 def width_totals(rows: Sequence[KernelRow]) -> dict[int, float]:
     """ms per forward spent in the measured matmuls at each width (every output position's lm_head included,
     as verification computes it)."""

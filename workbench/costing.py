@@ -23,7 +23,7 @@ from costmodel.hardware import (
     profile_spread,
     save_profile,
 )
-from costmodel.kernels import KernelBenchError, local_roofline, source_digest
+from costmodel.kernels import KernelBenchError, local_roofline, source_digest, worst_per_group
 from costmodel.kernels import profile as kernel_profile_of
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
@@ -99,7 +99,7 @@ def kernel_profile(ws: Workspace, say: Say) -> dict | None:
     except KernelBenchError as e:
         say(f"the kernel profile is not measured: {e}")
         return None
-    top = prof["kernels"][:3]
+    top = worst_per_group(prof["kernels"], 3)
     say("largest kernel gaps (ms per forward): " + "; ".join(
         f"{k['type']} {k['k']}x{k['n']} x{k['count']} at width {k['width']}: {k['us']:.0f} us against a roofline of "
         f"{k['roofline_us']:.0f} ({k['efficiency']:.0%}), {k['gap_ms']:.1f}" for k in top)

@@ -17,6 +17,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Input, Label, ProgressBar, RichLog, Select, Sparkline, Static
 
+from costmodel.kernels import worst_per_group
 from store import Event, Mechanism
 from workbench.tui.data import BranchRow, RoundProgress, Snapshot
 
@@ -127,7 +128,7 @@ def kernel_lines(prof: dict, top: int = 3) -> Text:
     text = Text.assemble(("Kernels against their roofline", "bold"),
                          (f"  (stock's; a forward's matmuls over 4 tokens: {ratio['4']:.2f}x one token's)"
                           if "4" in ratio else "", "dim"))
-    for k in prof["kernels"][:top]:
+    for k in worst_per_group(prof["kernels"], top):
         text.append(f"\n  {k['type']} {k['k']}x{k['n']} x{k['count']} at width {k['width']}: ")
         text.append(f"{k['efficiency']:.0%} of roofline", style="yellow" if k["efficiency"] < 0.5 else "")
         text.append(f", {k['gap_ms']:.1f} ms lost per forward", style="dim")
