@@ -41,7 +41,7 @@ from workbench.harness import SystemCrash, _die_with_parent, _host_env, sandbox_
 from workbench.progress import step
 
 KERNEL_DIR = "ggml/"  # under the engine source: a change here is a kernel change
-CHECK_WIDTHS = (1, 2, 3, 4, 8, 16)
+CHECK_WIDTHS = (1, 2, 3, 4, 8, 16, 17, 32)  # verify batches of long drafts go past 16
 MICRO_WIDTHS = (1, 2, 4, 8, 16)
 RUN_TIMEOUT_S = 600
 
