@@ -228,6 +228,14 @@ def test_a_family_with_a_known_kernel_gets_a_tuner_even_with_nothing_to_turn_in_
     kern = [k for k in library() if k.name == "ggml-q4_1-cols"]
     with_k, _ = plan_directions(bd, set(), kernels_for=lambda fam: kern if fam == "weights" else [], **args)
     assert with_k[0].family == "weights" and with_k[0].mechanisms[-1]["name"] == "ggml-q4_1-cols"
+    # a kernel addressing two gaps is tried by one direction of the round (the larger gap), not by both
+    bd2 = {"families": {"weights": 21.7, "compute": 6.9, "host-overhead": 2.0}, "gaps": bd["gaps"]}
+    both, _ = plan_directions(bd2, set(), kernels_for=lambda fam: kern if fam in ("weights", "compute") else [],
+                              **args)
+    assert [d.family for d in both] == ["weights", "host-overhead"]
+    # explored without a gain on this base: not offered again until the base moves
+    again = plan_directions(bd2, {"weights"}, kernels_for=lambda fam: kern, **args)[0]
+    assert [d.family for d in again] == ["host-overhead"]  # nor through its other gap
 
 
 @pytest.mark.slow

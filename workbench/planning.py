@@ -34,18 +34,21 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
     Returns (directions, whether that transfer was tried now)."""
     fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
     out = []
+    offered: set[str] = set()  # a kernel addresses several families: one direction per round tries it
     for fam, ms in fams:
         if fam in exhausted or ms <= 0:
             continue  # explored without a gain on this base, or nothing to gain (e.g. batching at B = 1)
         mechs = registry_mechanisms(fam, device, contract)
         memory = memory_for(fam)
-        kernels = kernels_for(fam) if kernels_for is not None and agent == "tuner" else []
+        kernels = [k for k in (kernels_for(fam) if kernels_for is not None and agent == "tuner" else [])
+                   if k.name not in offered and not set(k.families) & exhausted]  # tried on this base already
         if agent == "tuner" and not mechs and not memory and not kernels:
             continue  # the tuner has nothing to turn for this family
         if (base_cfg is not None and not kernels
                 and not candidates(base_cfg, fam, memory, refuse=refuse, contract=contract)):
             continue  # every mechanism of the family is already on in the base: no agent slot for it
         if kernels:
+            offered |= {k.name for k in kernels}
             mechs = mechs + [{"name": k.name, "kernel": k.patch.name, "summary": k.summary} for k in kernels]
         gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
         out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
