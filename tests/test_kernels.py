@@ -264,3 +264,22 @@ def test_the_tuner_applies_a_known_kernel_for_the_weights_gap_and_not_twice(tmp_
         assert applicable(ws, head, "weights") == []  # the base that carries it is not offered it again
     finally:
         ws.close()
+
+
+def test_an_llm_agent_editing_the_engine_is_told_the_worst_kernels(tmp_path):
+    import json
+
+    from workbench.agents.llm import kernel_note
+
+    assert kernel_note(tmp_path / "kernels.json") == ""  # never measured: nothing said
+    prof = {"forward_ratio": {"4": 2.57}, "kernels": [
+        {"type": "q4_1", "k": 576, "n": 1536, "count": 60, "width": 16, "us": 1118.4, "roofline_us": 92.6,
+         "gap_ms": 61.5},
+        {"type": "q4_1", "k": 576, "n": 1536, "count": 60, "width": 8, "us": 546.2, "roofline_us": 52.3,
+         "gap_ms": 29.6},
+        {"type": "q8_0", "k": 576, "n": 49152, "count": 1, "width": 16, "us": 23556.2, "roofline_us": 2964.8,
+         "gap_ms": 20.6}]}
+    (tmp_path / "kernels.json").write_text(json.dumps({"key": {}, "profile": prof}))
+    note = kernel_note(tmp_path / "kernels.json")
+    assert "q4_1 576x1536 (x60) at width 16: 1118 us per tensor against a roofline of 93" in note
+    assert "q8_0 576x49152" in note and "width 8" not in note and "2.57x one token's" in note

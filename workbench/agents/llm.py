@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 import git
 
+from costmodel.kernels import worst_per_group
 from workbench.agents.base import AgentContext, AgentResult
 from workbench.agents.edits import EditError, apply_blocks, parse_blocks
 from workbench.agents.endpoint import (
@@ -467,6 +468,23 @@ ENGINE_NOTE = ("The engine's C++ source is in engine/llama.cpp/ (llama.cpp, the 
                "run_smoke builds what you changed (about a minute per file) and reports the compiler's first error.")
 
 
+def kernel_note(path: Path) -> str:
+    """Stock's worst kernels against their roofline (the loop's `.specpilot/kernels.json`), for an agent that may
+    edit them; "" when none were measured."""
+    try:
+        prof = json.loads(path.read_text())["profile"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    rows = "; ".join(f"{k['type']} {k['k']}x{k['n']} (x{k['count']}) at width {k['width']}: {k['us']:.0f} us per "
+                     f"tensor against a roofline of {k['roofline_us']:.0f}, {k['gap_ms']:.1f} ms lost per forward"
+                     for k in worst_per_group(prof.get("kernels", []), 4))
+    ratio = prof.get("forward_ratio", {}).get("4")
+    return ("The engine's matmul kernels against their roofline (stock's, measured on this machine): " + rows
+            + (f". A forward's matmuls over 4 tokens cost {ratio:.2f}x one token's" if ratio else "")
+            + ". A commit that changes ggml/ is first held against stock's kernel outputs on the deployment's real "
+              "weights (error at most 1e-4 of the mean |output|), then forced token by token.") if rows else ""
+
+
 def opening_message(ctx: AgentContext, compact: bool = False, config_excerpt: str = "",
                     files: list[str] | None = None) -> str:
     """The task: the gap breakdown, the direction, the visible prompts (never the hidden split).
@@ -478,6 +496,9 @@ def opening_message(ctx: AgentContext, compact: bool = False, config_excerpt: st
     extra = []
     if (Path(ctx.worktree) / SOURCE_REL).is_dir():
         extra.append(ENGINE_NOTE)
+        kernels = kernel_note(Path(ctx.worktree).parent.parent / "kernels.json")
+        if kernels:
+            extra.append(kernels)
     if config_excerpt:
         extra.append(config_excerpt)
     if files:
