@@ -21,11 +21,13 @@ and `compare_outputs` holds a candidate's against stock's, bit-exact or within a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,16 +70,20 @@ def build_bench(include_dir: Path, build_dir: Path, out: Path) -> Path:
     digest = source_digest() + "-" + "-".join(str(int((build_dir / lib).stat().st_mtime)) for lib in GGML_LIBS)
     if out.is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
         return out
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(compile_command(include_dir, build_dir, tmp), capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, timeout=300)
-        if r.returncode != 0:
-            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[-200:])
-            raise KernelBenchError(f"the kernel bench does not compile against {build_dir}: {first}")
-        os.replace(tmp, out)
-        stamp.write_text(digest)
+        with open(out.with_name(f".{out.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time (agents are threads of one process)
+            if out.is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
+                return out
+            r = subprocess.run(compile_command(include_dir, build_dir, tmp), capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=300)
+            if r.returncode != 0:
+                first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[-200:])
+                raise KernelBenchError(f"the kernel bench does not compile against {build_dir}: {first}")
+            os.replace(tmp, out)
+            stamp.write_text(digest)
     except OSError as e:
         raise KernelBenchError(f"cannot build the kernel bench at {out} ({e.strerror})") from None
     finally:

@@ -283,3 +283,30 @@ def test_an_llm_agent_editing_the_engine_is_told_the_worst_kernels(tmp_path):
     note = kernel_note(tmp_path / "kernels.json")
     assert "q4_1 576x1536 (x60) at width 16: 1118 us per tensor against a roofline of 93" in note
     assert "q8_0 576x49152" in note and "width 8" not in note and "2.57x one token's" in note
+
+
+@needs_engine
+def test_agents_of_one_round_compute_stocks_kernel_outputs_once_side_by_side(tmp_path, _real_engines):
+    """Two agents are threads of one process: both ask for stock's outputs at once and both get them whole
+    (the first round of the with-source loop lost one to a shared temporary name)."""
+    import threading
+    from types import SimpleNamespace
+
+    from workbench.kernel_check import CHECK_WIDTHS, stock_outputs
+
+    ws = SimpleNamespace(config=SimpleNamespace(target=SMOLLM2, limits={}), state=tmp_path)
+    got, errors = [], []
+
+    def ask():
+        try:
+            got.append(stock_outputs(ws))
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 2 and got[0] == got[1]
+    assert len(list(got[0].glob("*.f32"))) == 5 * len(CHECK_WIDTHS)

@@ -16,6 +16,7 @@ verdict or to the plausibility ceiling (the harness times the system from outsid
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import shlex
@@ -66,19 +67,22 @@ def stock_outputs(ws) -> Path:
     out = ws.state / "kernel-check" / "stock" / key
     if (out / ".done").is_file():
         return out
-    tmp = out.with_name(f".{key}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        with untimed():
-            run_bench(stock_bench(), model, threads=_threads(ws), widths=CHECK_WIDTHS, check=True, dump=tmp)
-        (tmp / ".done").write_text("")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    except KernelBenchError as e:
-        raise SystemCrash("kernel", f"stock's kernel outputs: {e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # agents of one round (threads of one process) compute it once
+        if (out / ".done").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=out.parent))
+        try:
+            with untimed():
+                run_bench(stock_bench(), model, threads=_threads(ws), widths=CHECK_WIDTHS, check=True, dump=tmp)
+            (tmp / ".done").write_text("")
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        except KernelBenchError as e:
+            raise SystemCrash("kernel", f"stock's kernel outputs: {e}") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
