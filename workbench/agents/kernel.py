@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,9 +122,12 @@ def _predicted_gain(micro: dict) -> dict[str, float]:
     return {w: stock[w] / mine[w] for w in stock if w in mine and mine[w] > 0}
 
 
-def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch]) -> AgentResult:
+def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch],
+                  then: Callable[[], AgentResult | None] | None = None) -> AgentResult:
     """Try `kernels` in order on the agent's branch; the first that passes the kernel test and shows a gain
-    stays committed."""
+    stays committed. `then`: a search run next on the branch (its system now the rebuilt engine), e.g. the
+    drafting tuner when the base does not speculate, since a kernel for wide forwards has nothing to speed up
+    there; what it commits joins the kernel in one change."""
     g = ws.worktree_git(ctx.branch)
     tried = []
     for k in kernels:
@@ -152,9 +156,18 @@ def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch]) -> AgentRes
                         "shapes": kernel_shapes(ws, k), "kernel_test": kc["reason"],
                         "max_rel_error": kc.get("max_rel_error"), "micro": kc.get("micro"),
                         "cpu": cpu_model()}
-            return AgentResult(True, f"kernel {k.name}: {kc['reason']}; the candidate's micro-benchmark of the "
-                                     f"forward's matmuls: {where} of stock's", mechanism=k.name, summary=k.summary,
-                               details={"kernel": k.name, "kernel_check": kc, "kernel_evidence": evidence})
+            message = (f"kernel {k.name}: {kc['reason']}; the candidate's micro-benchmark of the forward's "
+                       f"matmuls: {where} of stock's")
+            details = {"kernel": k.name, "kernel_check": kc, "kernel_evidence": evidence}
+            follow = then() if then is not None and not ctx.stop.is_set() else None
+            if follow is not None and follow.committed:
+                return AgentResult(True, f"{message}; then on the rebuilt engine: {follow.message}",
+                                   mechanism=f"{k.name}+{follow.mechanism}", summary=f"{k.summary}; {follow.summary}",
+                                   details={**details, "config": follow.details.get("config"),
+                                            "then": follow.message})
+            if follow is not None:
+                message += f"; then on the rebuilt engine: {follow.message}"
+            return AgentResult(True, message, mechanism=k.name, summary=k.summary, details=details)
         g.reset("-q", "--hard", "HEAD~1")
         tried.append(f"{k.name}: {kc['reason'] if not kc['ok'] else 'no gain in its micro-benchmark'}")
     return AgentResult(False, "no kernel patch kept: " + "; ".join(tried) if tried else "stopped")

@@ -18,12 +18,12 @@ import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decoder.config import ConfigError, DecodeConfig, choose_draft_len, dump_table, entry_starts, schedule_text
 from decoder.contract import near_tie_threshold
 from decoder.mechanisms import CONTRACTS, Contract
-from workbench.agents.base import AgentContext, AgentResult
+from workbench.agents.base import AgentContext, AgentResult, Direction
 from workbench.agents.kernel import applicable as applicable_kernels
 from workbench.agents.kernel import kernel_search
 from workbench.forcing import run_system, stock_reference
@@ -181,7 +181,16 @@ class TunerAgent:
 
         kernels = applicable_kernels(self.ws, self.ws.head(ctx.branch), ctx.direction.family)
         if kernels:  # a workspace carrying the engine's source: known kernel patches for this gap first
-            return kernel_search(self.ws, ctx, kernels)
+            def speculate() -> AgentResult | None:
+                """On a base that verifies one token at a time the kernel has no wide forward to speed up:
+                the drafting search runs next on the rebuilt engine."""
+                if self.contract.verify_width(self.ws.config_at(self.ws.head(ctx.branch))) > 1:
+                    return None
+                d = Direction("drafting", ctx.direction.gap_ms, "drafting: what the kernel makes cheap to verify",
+                              [], ctx.direction.memory)
+                return self.run(replace(ctx, direction=d))
+
+            return kernel_search(self.ws, ctx, kernels, then=speculate)
         wt = ctx.worktree
         try:  # from the git object, not the worktree file: every key, the system's own knobs included
             table = self.ws.config_at(self.ws.head(ctx.branch))
