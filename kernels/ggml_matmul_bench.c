@@ -65,6 +65,25 @@ static void fill_activations(float * x, int64_t n, uint64_t seed) {
     }
 }
 
+// The median time of one compute of `gf` in microseconds (after `warm` untimed runs: at least 5 runs and
+// `min_ms` milliseconds); the number of runs in *runs.
+static double median_us(struct ggml_cgraph * gf, struct ggml_cplan * plan, int warm, double min_ms, int * runs) {
+    static double samples[100000];
+    int n = 0;
+    for (int r = 0; r < warm; r++) {
+        ggml_graph_compute(gf, plan);
+    }
+    const double start = now_us();
+    while (n < 100000 && (n < 5 || now_us() - start < min_ms * 1000.0)) {
+        const double t0 = now_us();
+        ggml_graph_compute(gf, plan);
+        samples[n++] = now_us() - t0;
+    }
+    qsort(samples, n, sizeof(double), cmp_double);
+    *runs = n;
+    return samples[n / 2];
+}
+
 static int parse_widths(const char * s, int * out) {
     int n = 0;
     const char * p = s;
@@ -181,21 +200,12 @@ int main(int argc, char ** argv) {
             uint8_t * work = plan.work_size ? malloc(plan.work_size) : NULL;
             plan.work_data = work;
 
-            static double samples[100000];
             int runs = 0;
+            double us = 0.0;  // per tensor of the group
             if (check) {
                 ggml_graph_compute(gf, &plan);
             } else {
-                for (int r = 0; r < 3; r++) {
-                    ggml_graph_compute(gf, &plan);
-                }
-                const double start = now_us();
-                while (runs < 100000 && (runs < 5 || now_us() - start < min_ms * 1000.0)) {
-                    const double t0 = now_us();
-                    ggml_graph_compute(gf, &plan);
-                    samples[runs++] = (now_us() - t0) / gr->count;
-                }
-                qsort(samples, runs, sizeof(double), cmp_double);
+                us = median_us(gf, &plan, 3, min_ms, &runs) / gr->count;
             }
 
             uint64_t h = 1469598103934665603ULL;
@@ -230,7 +240,7 @@ int main(int argc, char ** argv) {
                    "\"width\": %d, \"us\": %.3f, \"runs\": %d, \"weight_bytes\": %zu, \"hash\": \"%016" PRIx64 "\", "
                    "\"sum_abs\": %.6e}\n",
                    ggml_type_name(gr->type), gr->k, gr->n, gr->count, ggml_get_name(gr->t[0]), w,
-                   check ? 0.0 : samples[runs / 2], runs, ggml_nbytes(gr->t[0]), h, sum_abs);
+                   us, runs, ggml_nbytes(gr->t[0]), h, sum_abs);
             fflush(stdout);
             free(work);
             ggml_free(ctx);
@@ -264,19 +274,9 @@ int main(int argc, char ** argv) {
         struct ggml_cplan plan = ggml_graph_plan(gf, threads, NULL);
         uint8_t * work = plan.work_size ? malloc(plan.work_size) : NULL;
         plan.work_data = work;
-        static double samples[100000];
         int runs = 0;
-        for (int r = 0; r < 2; r++) {
-            ggml_graph_compute(gf, &plan);
-        }
-        const double start = now_us();
-        while (runs < 100000 && (runs < 5 || now_us() - start < min_ms * 1000.0)) {
-            const double t0 = now_us();
-            ggml_graph_compute(gf, &plan);
-            samples[runs++] = now_us() - t0;
-        }
-        qsort(samples, runs, sizeof(double), cmp_double);
-        printf("{\"type\": \"forward\", \"width\": %d, \"us\": %.3f, \"runs\": %d}\n", w, samples[runs / 2], runs);
+        const double us = median_us(gf, &plan, 2, min_ms, &runs);
+        printf("{\"type\": \"forward\", \"width\": %d, \"us\": %.3f, \"runs\": %d}\n", w, us, runs);
         fflush(stdout);
         free(work);
         ggml_free(ctx);
