@@ -70,3 +70,27 @@ def test_the_tuners_measured_schedule_is_keyed_by_the_live_requests_a_batch_reac
     # the batch of 8 cycles the two prompts: 4 of its requests are ever live in a decode step, so B = 8's entry
     # starts after B = 1's reach (1): at 2 live requests
     assert cand is not None and cand.changes == {"load_schedule": "1:2,2:0"}
+
+
+def test_an_idle_agent_tries_the_knobs_of_a_family_measured_at_no_gain():
+    """llama.cpp smollm2: the step is the forward, so host overhead measures ~0 (here below it), yet threads
+    change the forward's own cost; a slot the positive gaps leave free goes to such a family, after them.
+    A family with no measured part (batching at B = 1) gets nothing."""
+    from decoder.engines.llamacpp_config import LlamaCppConfig
+    from decoder.mechanisms import CONTRACTS
+
+    bd = {"families": {"weights": 9.0, "drafting": 1.5, "host-overhead": -0.4, "batching": 0.0},
+          "gaps": [{"name": "weight reads", "family": "weights"}, {"name": "drafter", "family": "drafting"},
+                   {"name": "host/launch overhead", "family": "host-overhead"}]}
+    llama = CONTRACTS["llama.cpp"]
+    kw = {"agent": "tuner", "device": "cpu", "transfer_tried": False, "memory_for": lambda fam: [],
+          "contract": llama}
+    base = LlamaCppConfig(threads=1)
+    dirs, _ = plan_directions(bd, set(), agents=3, base_cfg=base, **kw)
+    assert [d.family for d in dirs] == ["drafting", "host-overhead"]  # weights: no config knob, no kernel
+    assert "no measured gain" in dirs[1].summary and any(m["name"] == "llama-threads" for m in dirs[1].mechanisms)
+    assert [d.family for d in plan_directions(bd, set(), agents=1, base_cfg=base, **kw)[0]] == ["drafting"]
+    assert [d.family for d in plan_directions(bd, {"host-overhead"}, agents=3, base_cfg=base, **kw)[0]] == [
+        "drafting"]  # explored on this base without a gain
+    assert [d.family for d in plan_directions(bd, set(), agents=3, base_cfg=base, **{**kw, "agent": "llm"})[0]] == [
+        "drafting"]  # an LLM agent goes where the cost model points

@@ -53,6 +53,9 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
         gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
         out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
     out.sort(key=lambda d: (not d.memory, -d.gap_ms))
+    if agent == "tuner" and base_cfg is not None and len(out) < agents:
+        out += _unpriced(breakdown, fams, exhausted, {d.family for d in out}, device=device, base_cfg=base_cfg,
+                         memory_for=memory_for, refuse=refuse, contract=contract)
     out = out[:agents]
     if not (out and out[0].memory and not transfer_tried):
         return out, False
@@ -65,3 +68,24 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
         out[0] = Direction(first.family, first.gap_ms, first.summary + "; transfer: composes the mechanisms "
                            "accepted elsewhere", first.mechanisms, first.memory + extra)
     return out, True
+
+
+def _unpriced(breakdown: dict, fams: list, exhausted: set[str], taken: set[str], *, device: str,
+              base_cfg: DecodeConfig, memory_for: Callable[[str], list[dict]],
+              refuse: Callable[[DecodeConfig], str | None] | None, contract: Contract) -> list[Direction]:
+    """Directions for agent slots the measured gaps leave free: families the cost model measured at no gain
+    (a residual at or below zero, e.g. host overhead on an engine whose step is its forward) whose registry
+    still has knobs to turn on the base. Their gap does not price what those knobs do (llama.cpp's threads
+    change the forward's own cost), so an idle agent tries them, after every family with a positive gap.
+    A family with no measured part at all (batching at B = 1) has nothing to try."""
+    out = []
+    for fam, ms in fams:
+        if ms > 0 or fam in exhausted or fam in taken:
+            continue
+        parts = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
+        if not parts or not candidates(base_cfg, fam, memory_for(fam), refuse=refuse, contract=contract):
+            continue
+        out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(parts)}; no measured gain, but knobs "
+                                      "the cost model does not price are left to try)",
+                             registry_mechanisms(fam, device, contract), memory_for(fam)))
+    return out
