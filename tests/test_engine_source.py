@@ -201,3 +201,44 @@ def test_a_commit_without_the_engine_source_is_a_one_line_build_crash(src_ws):
         engine_server(src_ws, src_ws.head("no-engine"))
     assert e.value.kind == "build" and "has no engine/llama.cpp/" in e.value.reason, e.value.reason
     assert Path(b.worktree_path).is_dir()
+
+
+@needs_engine
+def test_export_upstream_writes_the_engine_part_for_git_am_on_an_upstream_checkout(src_ws, tmp_path, capsys):
+    """`specpilot export --upstream DIR`: the engine source's changes with paths relative to llama.cpp's root
+    (what else the mechanism changed stays out), applied by `git am` to an upstream tree; a folder that cannot
+    take files is one line, exit 2, before anything is written."""
+    import subprocess
+
+    from workbench.export import record_mechanism
+
+    comment = "\n// specpilot: exported upstream\n"
+    _commit(src_ws, "exported", IO_CPP, lambda p: p.write_text(p.read_text() + comment))
+    wt = Path(src_ws.branch("exported").worktree_path)
+    (wt / "NOTES.md").write_text("not part of the engine\n")
+    g = src_ws.worktree_git("exported")
+    g.add("-A")
+    g.commit("-q", "-m", "notes")
+    m = record_mechanism(src_ws, "exported", "io-comment", "host-overhead", "a comment in llama-io.cpp")
+    base = ["export", "--mechanism", str(m.id), "--workspace", str(src_ws.path)]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main([*base, "--out", str(tmp_path / "out0"), "--upstream", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a-file" in err, err
+    assert not (tmp_path / "out0").exists() or not any((tmp_path / "out0").iterdir())
+
+    assert main([*base, "--out", str(tmp_path / "out"), "--upstream", str(tmp_path / "up")]) == 0
+    series = "".join(p.read_text() for p in sorted((tmp_path / "out").iterdir()))  # the edit, then the notes
+    assert "engine/llama.cpp/src/llama-io.cpp" in series and "NOTES.md" in series
+    ups = sorted((tmp_path / "up").iterdir())
+    assert len(ups) == 1 and "a/src/llama-io.cpp" in ups[0].read_text()
+    assert "a/engine/llama.cpp" not in ups[0].read_text() and "NOTES.md" not in ups[0].read_text()
+    tree = tmp_path / "llama.cpp"  # the upstream file as the sdist ships it, in a repository of its own
+    (tree / "src").mkdir(parents=True)
+    (tree / "src" / "llama-io.cpp").write_bytes((build.source_dir() / "src" / "llama-io.cpp").read_bytes())
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "upstream"], ["am", "-q", str(ups[0])]):
+        subprocess.run(["git", "-C", str(tree), *cmd], check=True, env=env, capture_output=True)
+    assert (tree / "src" / "llama-io.cpp").read_text().endswith(comment)

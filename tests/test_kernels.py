@@ -8,6 +8,7 @@ slow tests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,41 @@ def test_a_kernel_patch_passes_the_kernel_test_and_a_wrong_one_is_discarded_befo
         assert att.status == "discard" and att.reason.startswith("kernel test: outputs differ from stock by"), att
         stages = [e.stage for e in ws.memory.list_evaluations(ws.branch("q41wrong").id)]
         assert stages[-1] == "kernel" and "forcing" not in stages
+    finally:
+        ws.close()
+
+
+@pytest.mark.slow
+@needs_engine
+@pytest.mark.skipif(not sandbox_status()[0], reason="no sandbox here")
+def test_the_exported_kernel_patch_applies_upstream_and_passes_the_kernel_test_there(
+        tmp_path_factory, _real_engines, capsys):
+    """`specpilot export --upstream DIR --kernel-test`: the kernel mechanism's engine part, `git am` on a fresh
+    repository of the vendored llama.cpp tree, ggml built there from scratch, its outputs held against stock's."""
+    from workbench.export import record_mechanism
+    from workbench.harness import SystemCrash
+    from workbench.kernel_check import upstream_kernel_test
+
+    ws = _kernel_ws(tmp_path_factory)
+    out = tmp_path_factory.mktemp("exported")
+    try:
+        _commit_patch(ws, "q41cols", PATCH.read_text())
+        m = record_mechanism(ws, "q41cols", "ggml-q4_1-cols", "weights", "Q4_1 x 1-32 tokens")
+        rc = main(["export", "--mechanism", str(m.id), "--workspace", str(ws.path), "--upstream", str(out / "up"),
+                   "--kernel-test", "--json"])
+        cap = capsys.readouterr()
+        assert rc == 0, cap.err
+        result = json.loads(cap.out.splitlines()[-1])
+        assert result["ok"] and result["changed"] == ["ggml/src/ggml-cpu/ggml-cpu.c"], result
+        assert result["reason"].startswith("kernel test on the upstream tree: within")
+        assert result["max_rel_error"] < K.TOLERANCE / 3 and "llama-cpp-python" in result["applied_on"]
+        assert set(result["micro"]["candidate_forward_ms"]) == {"1", "2", "4", "8", "16"}
+        # a patch that changes a build file is refused before anything is built
+        (patch,) = (out / "up").iterdir()
+        cmake = out / "cmake.patch"
+        cmake.write_text(patch.read_text().replace("ggml/src/ggml-cpu/ggml-cpu.c", "ggml/CMakeLists.txt"))
+        with pytest.raises(SystemCrash, match="ggml/CMakeLists.txt: the upstream kernel test takes patches of"):
+            upstream_kernel_test(ws, [cmake])
     finally:
         ws.close()
 

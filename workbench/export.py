@@ -3,11 +3,14 @@
 A mechanism's patch is `git format-patch` text of its branch's commits on top of the base it was
 made from. Export replays the chosen mechanisms on stock with `git am --3way` in a scratch
 worktree, then writes the result as one `git format-patch` series, so `git am` on a fresh clone of
-stock applies it cleanly; `--branch NAME` keeps the result as a branch of the workspace.
+stock applies it cleanly; `--branch NAME` keeps the result as a branch of the workspace. For a workspace
+carrying its engine's source (`engine/llama.cpp/`), `--upstream DIR` also writes the engine part of the
+series with paths relative to the engine's root: `git am` applies it to an upstream checkout of the engine.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -17,6 +20,7 @@ from typing import Any
 import git
 
 from store import Mechanism
+from workbench.engine_source import SOURCE_REL
 from workbench.safegit import worktree_git
 from workbench.workspace import STOCK_TAG, Workspace, WorkspaceError
 
@@ -55,12 +59,30 @@ def record_mechanism(ws: Workspace, branch: str, name: str, gap_family: str, sum
     return m
 
 
-def export(ws: Workspace, mechanisms: list[Mechanism], out: Path | None, branch: str | None = None) -> list[Path]:
-    """Replay `mechanisms` on stock in order and write the series to `out` (and/or keep it as `branch`)."""
+def _writable(folder: Path) -> None:
+    """`folder` exists and takes files, or a one-line WorkspaceError naming it (before anything is written)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WorkspaceError(f"cannot create the patch folder {folder} ({e.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise WorkspaceError(f"the patch folder {folder} is not writable; pick another with --out/--upstream")
+
+
+def export(ws: Workspace, mechanisms: list[Mechanism], out: Path | None, branch: str | None = None,
+           upstream: Path | None = None) -> list[Path]:
+    """Replay `mechanisms` on stock in order and write the series to `out` (and/or keep it as `branch`);
+    `upstream`: also the series' changes to the engine source, relative to the engine's root."""
+    if upstream is not None and not ws.config.engine_source:
+        raise WorkspaceError("--upstream needs a workspace carrying its engine's source (`specpilot init --engine "
+                             "llama.cpp ... --with-source`)")
     if not mechanisms:
         raise WorkspaceError("no mechanisms to export (none accepted yet? see `specpilot memory list`)")
     if branch and branch in ws.repo.heads:
         raise WorkspaceError(f"branch {branch!r} already exists; pick another name")
+    for folder in (out, upstream):  # both take files, or nothing is written
+        if folder is not None:
+            _writable(folder)
     scratch = Path(tempfile.mkdtemp(prefix="specpilot-export-"))
     wt = scratch / "wt"
     ws.repo.git.worktree("add", "--detach", str(wt), ws.stock_commit)
@@ -78,12 +100,17 @@ def export(ws: Workspace, mechanisms: list[Mechanism], out: Path | None, branch:
                 first = (e.stderr or "").strip().splitlines()
                 raise WorkspaceError(f"mechanism {m.id} ({m.name}) does not apply on stock plus the ones before "
                                      f"it: {first[0] if first else e}") from None
+        if upstream is not None and not wrepo.diff("--name-only", f"{ws.stock_commit}..HEAD", "--", SOURCE_REL):
+            raise WorkspaceError(f"the mechanisms change nothing under {SOURCE_REL}/: no engine patch to write")
         written: list[Path] = []
         if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
             names = wrepo.format_patch("--no-signature", "-o", str(out.resolve()),
-                                           f"{ws.stock_commit}..HEAD").splitlines()
+                                       f"{ws.stock_commit}..HEAD").splitlines()
             written = [Path(n) for n in names if n.strip()]
+        if upstream is not None:
+            names = wrepo.format_patch("--no-signature", f"--relative={SOURCE_REL}", "-o", str(upstream.resolve()),
+                                       f"{ws.stock_commit}..HEAD", "--", SOURCE_REL).splitlines()
+            written += [Path(n) for n in names if n.strip()]
         if branch:
             ws.repo.create_head(branch, wrepo.rev_parse("HEAD").strip())
         return written

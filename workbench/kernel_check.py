@@ -24,22 +24,36 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
+import git
+
 from costmodel.kernels import (
+    BENCH_SOURCE,
     TOLERANCE,
     KernelBenchError,
     bench_args,
     compare_outputs,
+    compile_command,
     parse_rows,
     run_bench,
     source_digest,
     stock_bench,
 )
-from workbench.engine_source import changed_engine_files, engine_tool
+from decoder.engines.llamacpp_build import CMAKE_FLAGS, LLAMA_CPP_PYTHON_VERSION, source_dir
+from workbench.engine_source import BUILD_JOBS, BUILD_TIMEOUT_S, _first_error, changed_engine_files, engine_tool
 from workbench.gate import measurement_lock, untimed
-from workbench.harness import SystemCrash, _die_with_parent, _host_env, sandbox_command, sandbox_spec
+from workbench.harness import (
+    SystemCrash,
+    _die_with_parent,
+    _host_env,
+    sandbox_command,
+    sandbox_spec,
+    sandbox_status,
+)
 from workbench.progress import step
+from workbench.safegit import hardened
 
 KERNEL_DIR = "ggml/"  # under the engine source: a change here is a kernel change
 CHECK_WIDTHS = (1, 2, 3, 4, 8, 16, 17, 32)  # verify batches of long drafts go past 16
@@ -128,7 +142,12 @@ def run_sandboxed(ws, bench: Path, shell: str, cap: int) -> bytes:
 
 def candidate_outputs(ws, commit: str, dest: Path, stock: Path) -> None:
     """The candidate's kernel outputs (same model, activations, widths) unpacked into `dest`."""
-    bench = engine_tool(ws, commit, "ggml-matmul-bench")
+    sandboxed_outputs(ws, engine_tool(ws, commit, "ggml-matmul-bench"), dest, stock)
+
+
+def sandboxed_outputs(ws, bench: Path, dest: Path, stock: Path) -> None:
+    """A kernel bench not trusted on the host (a candidate's, or one built from an exported patch) run in the
+    sandbox on the deployment's weights at CHECK_WIDTHS; its outputs unpacked into `dest`."""
     args = bench_args(ws.config.target.resolve(), threads=_threads(ws), widths=CHECK_WIDTHS, check=True,
                       dump=Path("/tmp/out"))
     shell = (f"mkdir /tmp/out && {' '.join(map(shlex.quote, [str(bench), *args]))} > /dev/null && "
@@ -147,7 +166,11 @@ def candidate_outputs(ws, commit: str, dest: Path, stock: Path) -> None:
 def micro_benchmark(ws, commit: str) -> dict:
     """The whole forward's matmuls per width, stock's and the candidate's, measured back to back under the
     timing gate. The candidate's figures are timed inside its own build: reported, never trusted."""
-    cand = engine_tool(ws, commit, "ggml-matmul-bench")
+    return bench_micro(ws, engine_tool(ws, commit, "ggml-matmul-bench"))
+
+
+def bench_micro(ws, cand: Path) -> dict:
+    """micro_benchmark for a kernel bench binary `cand` (run in the sandbox)."""
     args = bench_args(ws.config.target.resolve(), threads=_threads(ws), widths=MICRO_WIDTHS, min_ms=60.0)
     with measurement_lock():
         stock = {r["width"]: r["us"] / 1000.0 for r in run_bench(stock_bench(), ws.config.target,
@@ -163,6 +186,29 @@ def micro_benchmark(ws, commit: str) -> dict:
             "candidate_timing": "reported by the candidate's build (informational; verdicts use the harness's timing)"}
 
 
+def _jsonable(cmp: dict) -> dict:
+    return {**{k: v for k, v in cmp.items() if k != "per_file"},
+            "per_file": {k: (v if v != float("inf") else "non-finite") for k, v in cmp["per_file"].items()}}
+
+
+def _verdict(stock: Path, mine: Path) -> tuple[dict, str]:
+    """compare_outputs of a bench's outputs against stock's, and its one-line reason."""
+    try:
+        cmp = compare_outputs(stock, mine, TOLERANCE)
+    except KernelBenchError as e:
+        raise SystemCrash("kernel", str(e)) from None
+    worst = max(cmp["per_file"].items(), key=lambda kv: kv[1])
+    if cmp["bit_exact"]:
+        reason = f"kernel test: bit-exact with stock on the deployment's weights at widths {CHECK_WIDTHS}"
+    elif cmp["ok"]:
+        reason = (f"kernel test: within {TOLERANCE:g} of stock (largest error {cmp['max_rel_error']:.2e} of the mean "
+                  f"|output|, {worst[0]}); forcing confirms it token by token")
+    else:
+        reason = (f"kernel test: outputs differ from stock by {cmp['max_rel_error']:.3g} of the mean |output| "
+                  f"({worst[0]}; tolerance {TOLERANCE:g})")
+    return cmp, reason
+
+
 def kernel_check(ws, commit: str, *, micro: bool = True) -> dict:
     """The kernel test of `commit` against stock: {"files", "bit_exact", "max_rel_error", "tolerance", "ok",
     "reason", ...}; {} when the commit changes no kernel. SystemCrash("build"/"kernel") when it cannot run."""
@@ -174,23 +220,106 @@ def kernel_check(ws, commit: str, *, micro: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="kernel-check-") as tmp:
         with untimed():
             candidate_outputs(ws, commit, Path(tmp), stock)
-        try:
-            cmp = compare_outputs(stock, Path(tmp), TOLERANCE)
-        except KernelBenchError as e:
-            raise SystemCrash("kernel", str(e)) from None
-    worst = max(cmp["per_file"].items(), key=lambda kv: kv[1])
-    if cmp["bit_exact"]:
-        reason = f"kernel test: bit-exact with stock on the deployment's weights at widths {CHECK_WIDTHS}"
-    elif cmp["ok"]:
-        reason = (f"kernel test: within {TOLERANCE:g} of stock (largest error {cmp['max_rel_error']:.2e} of the mean "
-                  f"|output|, {worst[0]}); forcing confirms it token by token")
-    else:
-        reason = (f"kernel test: outputs differ from stock by {cmp['max_rel_error']:.3g} of the mean |output| "
-                  f"({worst[0]}; tolerance {TOLERANCE:g})")
-    result = {"kernel_files": files, **{k: v for k, v in cmp.items() if k != "per_file"},
-              "per_file": {k: (v if v != float("inf") else "non-finite") for k, v in cmp["per_file"].items()},
-              "reason": reason}
+        cmp, reason = _verdict(stock, Path(tmp))
+    result = {"kernel_files": files, **_jsonable(cmp), "reason": reason}
     if micro and cmp["ok"]:
         step("kernel test", detail="micro-benchmark of the forward's matmuls per width")
         result["micro"] = micro_benchmark(ws, commit)
     return result
+
+
+def upstream_kernel_test(ws, patches: list[Path], *, micro: bool = True) -> dict:
+    """The kernel test of exported engine patches (`specpilot export --upstream`) on the upstream source the
+    workspace's engine came from: a fresh git repository of the engine cache's vendored llama.cpp tree, the
+    patches applied with `git am`, ggml and the kernel bench configured and built there from scratch (in the
+    sandbox: the patches are candidate text), the bench run in the sandbox on the deployment's weights at
+    CHECK_WIDTHS against stock's outputs. Patches may change only C/C++ sources under ggml/src (no build files:
+    CMake runs what they say). {"ok", "reason", "patches", "applied_on", ...}; SystemCrash("build"/"kernel")."""
+    if not patches:
+        raise SystemCrash("kernel", "no engine patches to test")
+    for p in patches:
+        bad = [f for f in _patched_files(p) if not (f.startswith("ggml/src/") and f.endswith(_KERNEL_SOURCES))]
+        if bad:
+            raise SystemCrash("kernel", f"{p.name} changes {bad[0]}: the upstream kernel test takes patches of "
+                                        "C/C++ sources under ggml/src only")
+    ok, why = sandbox_status()
+    if not ok:
+        raise SystemCrash("build", f"the upstream kernel test needs the sandbox ({why})")
+    stock = stock_outputs(ws)
+    tmp = Path(tempfile.mkdtemp(prefix="kernel-upstream-"))
+    try:
+        tree, bld = tmp / "llama.cpp", tmp / "build"
+        step("upstream kernel test", detail=f"copying {source_dir()} into a fresh repository")
+        shutil.copytree(source_dir(), tree, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+        git.Repo.init(tree)
+        g = hardened(tree / ".git", tree)
+        g.update_environment(GIT_AUTHOR_NAME="upstream", GIT_AUTHOR_EMAIL="upstream@localhost",
+                             GIT_COMMITTER_NAME="specpilot", GIT_COMMITTER_EMAIL="specpilot@localhost")
+        g.add("-A")
+        g.commit("-q", "-m", f"llama.cpp as vendored in llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}")
+        base = g.rev_parse("HEAD").strip()
+        for p in patches:
+            try:
+                g.am("--keep-cr", str(p.resolve()))
+            except git.GitCommandError as e:
+                first = next((ln for ln in (e.stderr or "").splitlines() if ln.strip()), str(e))
+                raise SystemCrash("build", f"{p.name} does not apply to the upstream tree: {first.strip()}") from None
+        changed = g.diff("--name-only", f"{base}..HEAD").split()
+        step("upstream kernel test", detail=f"{len(patches)} patch(es) applied ({', '.join(changed[:3])}); building "
+                                            "ggml and the kernel bench there")
+        bld.mkdir()
+        log = ws.state / "logs" / f"upstream-kernel-build-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        bench = bld / "bin" / "ggml-matmul-bench"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        script = " && ".join([
+            shlex.join(["/usr/bin/cmake", "-S", str(tree), "-B", str(bld), *generator, *CMAKE_FLAGS]),
+            shlex.join(["/usr/bin/cmake", "--build", str(bld), "--target", "ggml", "ggml-cpu", "ggml-base",
+                        "-j", str(BUILD_JOBS)]),
+            shlex.join(compile_command(tree / "ggml" / "include", bld, bench))])
+        spec = sandbox_spec(tree, [BENCH_SOURCE.parent], ["/bin/sh", "-c", script],
+                            {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "TMPDIR": "/tmp"},
+                            int(ws.config.limits.get("memory_mb", 4096)))
+        spec["bind"] = [[str(bld), str(bld), True]]
+        spec["own"] = [str(bld)]
+        spec["cwd"] = str(bld)
+        spec["tmp_size"] = "1g"
+        with open(log, "wb") as f, untimed():
+            try:
+                r = subprocess.run(sandbox_command(spec), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                   env=_host_env(), timeout=BUILD_TIMEOUT_S, preexec_fn=_die_with_parent)
+            except subprocess.TimeoutExpired:
+                raise SystemCrash("build", f"the upstream build ran over {BUILD_TIMEOUT_S} s (log: {log})") from None
+        if r.returncode != 0 or not bench.is_file():
+            raise SystemCrash("build", f"ggml does not build on the upstream tree with the patches: "
+                                       f"{_first_error(log)} (log: {log})")
+        step("upstream kernel test", detail="running the kernel bench built there on the deployment's weights")
+        out = tmp / "outputs"
+        out.mkdir()
+        with untimed():
+            sandboxed_outputs(ws, bench, out, stock)
+        cmp, reason = _verdict(stock, out)
+        result = {"ok": cmp["ok"], "reason": reason.replace("kernel test:", "kernel test on the upstream tree:", 1),
+                  "patches": [p.name for p in patches], "changed": changed,
+                  "applied_on": f"llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} ({source_dir()})",
+                  "build_log": str(log), **_jsonable(cmp)}
+        if micro and cmp["ok"]:
+            step("upstream kernel test", detail="micro-benchmark of the forward's matmuls per width")
+            result["micro"] = bench_micro(ws, bench)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_KERNEL_SOURCES = (".c", ".cpp", ".h", ".hpp", ".inc")
+
+
+def _patched_files(patch: Path) -> list[str]:
+    """The paths a git-format patch touches (both sides of every diff header)."""
+    out = []
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith(("--- a/", "+++ b/")):
+            out.append(line[6:])
+        elif line.startswith(("--- ", "+++ ")) and "/dev/null" not in line:
+            out.append(line[4:])  # a path without the a/ b/ prefix: refused below unless it is a kernel source
+    return out

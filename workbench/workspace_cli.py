@@ -1,7 +1,9 @@
 """`specpilot init | branch | force | export`: workspaces, candidate branches, token forcing, patches.
 
-Exit status: 0 success (for `force`: lossless), 1 `force` found unexplained mismatches, 2 a usage
-error (one line `error: ...` on stderr), 3 `force`: the candidate crashed or was rejected.
+Exit status: 0 success (for `force`: lossless), 1 `force` found unexplained mismatches (`export
+--kernel-test`: the patched kernels' outputs differ from stock's), 2 a usage error (one line `error: ...` on
+stderr), 3 `force`: the candidate crashed or was rejected (`export --kernel-test`: the patches do not apply or
+build upstream, or the bench crashed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from workbench.engine_source import EngineSourceError
 from workbench.export import export, record_mechanism
 from workbench.forcing import force, format_report
 from workbench.harness import SystemCrash
+from workbench.kernel_check import upstream_kernel_test
 from workbench.workspace import (
     LLAMA_CPP_DEPLOYMENTS,
     Workspace,
@@ -209,22 +212,38 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     if not (args.accepted or args.mechanism):
         return fail("export needs --accepted or --mechanism ID")
-    if not (args.out or args.branch):
-        return fail("export needs --out DIR and/or --branch NAME")
+    if not (args.out or args.branch or args.upstream):
+        return fail("export needs --out DIR, --upstream DIR and/or --branch NAME")
+    if args.kernel_test and not args.upstream:
+        return fail("--kernel-test tests the --upstream patches: add --upstream DIR")
     try:
         ws = _workspace(args)
         if args.mechanism:
             ms = [ws.memory.get_mechanism(i) for i in args.mechanism]
         else:
             ms = ws.memory.list_mechanisms(status="accepted")
-        files = export(ws, ms, Path(args.out) if args.out else None, args.branch)
+        files = export(ws, ms, Path(args.out) if args.out else None, args.branch,
+                       Path(args.upstream) if args.upstream else None)
     except _errors() as e:
         return fail(str(e))
     for f in files:
         print(f)
     if args.branch:
         print(f"branch {args.branch}: stock + {len(ms)} mechanism(s)", file=sys.stderr)
-    return 0
+    if not args.kernel_test:
+        return 0
+    ups = [f for f in files if f.parent == Path(args.upstream).resolve()]
+    print(f"kernel test of {len(ups)} upstream patch(es) on the llama.cpp tree they came from (a build from "
+          "scratch: a few minutes)...", file=sys.stderr, flush=True)
+    try:
+        result = upstream_kernel_test(ws, ups)
+    except SystemCrash as e:
+        print(f"error: upstream kernel test: {e.kind}: {e.reason}", file=sys.stderr)
+        return EXIT_CRASH
+    except _errors() as e:
+        return fail(str(e))
+    print(json.dumps(result) if args.json else result["reason"])
+    return 0 if result["ok"] else EXIT_MISMATCH
 
 
 def add_parser(sub) -> None:
@@ -296,6 +315,11 @@ def add_parser(sub) -> None:
     g.add_argument("--mechanism", type=int, action="append", help="a mechanism id (repeatable)")
     e.add_argument("--out", help="folder for the patch series")
     e.add_argument("--branch", help="also keep the result as this branch of the workspace")
+    e.add_argument("--kernel-test", action="store_true",
+                   help="apply the --upstream patches to the upstream llama.cpp tree, build ggml there and run the "
+                        "kernel test on the deployment's weights (exit 1: outputs differ, 3: does not apply/build)")
+    e.add_argument("--upstream", help="folder for the engine source's part of the series, relative to the engine's "
+                                      "root (`git am` on an upstream llama.cpp checkout); --with-source workspaces")
     ws_arg(e)
     e.set_defaults(func=_cmd_export)
 
