@@ -238,6 +238,65 @@ def test_the_exported_kernel_patch_applies_upstream_and_passes_the_kernel_test_t
         ws.close()
 
 
+def _hunks(patch: str) -> list[tuple[str, str]]:
+    """A unified diff's hunks as (search, replace) texts: what an LLM's SEARCH/REPLACE edit would write."""
+    out: list[tuple[str, str]] = []
+    for hunk in patch.split("\n@@ ")[1:]:
+        old, new = [], []
+        for line in hunk.splitlines(keepends=True)[1:]:
+            if line.startswith(" ") or line == "\n":
+                old.append(line[1:] or "\n")
+                new.append(line[1:] or "\n")
+            elif line.startswith("-"):
+                old.append(line[1:])
+            elif line.startswith("+"):
+                new.append(line[1:])
+        out.append(("".join(old), "".join(new)))
+    return out
+
+
+@pytest.mark.slow
+@needs_engine
+@pytest.mark.skipif(not sandbox_status()[0], reason="no sandbox here")
+def test_an_llm_agent_writes_a_kernel_sees_its_kernel_test_in_the_smoke_run_and_fixes_it(
+        tmp_path_factory, _real_engines):
+    """One loop round with the LLM agent (a scripted OpenAI-protocol server: the test double for a hosted LLM)
+    on a workspace carrying llama.cpp's source: it writes the Q4_1 kernel into ggml-cpu.c with the minimum
+    term missing, its smoke run answers with the failed kernel test, it fixes the line, the next smoke run
+    reports the kernel test passed with the micro-benchmark, and the cascade holds the finished commit to the
+    kernel test, forces it and times it."""
+    from tests.openai_stub import OpenAIStub, call
+    from tests.test_llm_agent import block
+    from workbench.loop import Loop, LoopOptions
+
+    good_line = "        acc[c] = _mm256_fmadd_ps(m0v, s1v, acc[c]);\n"
+    blocks = "".join(block(o, n.replace(good_line, "        (void) s1v;\n")) for o, n in _hunks(PATCH.read_text()))
+    cpu_c = "engine/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c"
+    script = [call("edit", path=cpu_c, blocks=blocks), call("run_smoke"),
+              call("edit", path=cpu_c, blocks=block("        (void) s1v;\n", good_line)), call("run_smoke"),
+              call("finish", summary="Q4_1 x 1-32 tokens, blocks unpacked once", mechanism_name="q4_1-cols-llm")]
+    ws = _kernel_ws(tmp_path_factory)
+    try:
+        with OpenAIStub(script) as stub:
+            opts = LoopOptions(rounds=1, agents=1, agent="llm", budget_minutes=40, use_global_memory=False,
+                               auto_accept=False, llm={"base_url": stub.base_url, "model": "stub", "backoff_s": 0.1})
+            summary = Loop(ws, opts).run()
+        replies = [[m for m in r["body"]["messages"] if m.get("role") == "tool"][-1]["content"]
+                   for r in stub.requests[1:]]
+        assert replies[1].startswith("error: smoke failed: kernel test: outputs differ from stock"), replies[1]
+        assert replies[3].startswith("ok: ") and "kernel test: within" in replies[3], replies[3]
+        assert "stock -> yours" in replies[3] and "w4 " in replies[3]
+        first = json.dumps(stub.requests[0]["body"]["messages"])
+        assert "matmul kernels against their roofline" in first  # told where the kernels lose
+        (att,) = summary["rounds"][0]["attempts"]
+        stages = [(e.stage, e.status) for e in ws.memory.list_evaluations(ws.branch(att["branch"]).id)]
+        assert stages[:3] == [("smoke", "keep"), ("kernel", "keep"), ("forcing", "keep")], stages
+        assert stages[3][0] == "bench", stages
+        print(f"attempt: {att['status']}: {att['reason']}", flush=True)
+    finally:
+        ws.close()
+
+
 def test_the_kernel_library_and_what_a_patch_adds():
     from workbench.agents.kernel import _added_lines, library
 

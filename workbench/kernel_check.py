@@ -228,6 +228,24 @@ def kernel_check(ws, commit: str, *, micro: bool = True) -> dict:
     return result
 
 
+def kernel_feedback(ws, commit: str) -> tuple[bool, str]:
+    """For an agent's smoke run: `commit`'s kernel test and micro-benchmark in one line; (True, "") when it
+    changes no kernel. What an LLM editing ggml/ iterates on before the cascade holds it to the same test."""
+    try:
+        r = kernel_check(ws, commit)
+    except SystemCrash as e:
+        return False, f"{e.kind}: {e.reason}"
+    if not r:
+        return True, ""
+    if not r["ok"]:
+        return False, r["reason"]
+    micro = r.get("micro", {})
+    stock, mine = micro.get("stock_forward_ms", {}), micro.get("candidate_forward_ms", {})
+    rows = ", ".join(f"w{w} {stock[w]:.1f} -> {mine[w]:.1f} ms" for w in stock if w in mine)
+    return True, r["reason"] + (f"; the forward's matmuls per width, stock -> yours (your build's own timing): "
+                                f"{rows}" if rows else "")
+
+
 def upstream_kernel_test(ws, patches: list[Path], *, micro: bool = True) -> dict:
     """The kernel test of exported engine patches (`specpilot export --upstream`) on the upstream source the
     workspace's engine came from: a fresh git repository of the engine cache's vendored llama.cpp tree, the

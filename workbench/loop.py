@@ -44,6 +44,7 @@ from workbench.executor import LocalEvaluator
 from workbench.forcing import stock_reference
 from workbench.harness import cancel_branch
 from workbench.integration import evaluate_attempt, integrate_kept, record_kept
+from workbench.kernel_check import kernel_feedback
 from workbench.memory_cli import publish_verdict
 from workbench.planning import plan_directions
 from workbench.progress import step, tracking
@@ -268,6 +269,9 @@ class Loop:
         def smoke() -> SmokeResult:
 
             ok, msg = smoke_run(self.ws, self.ws.worktree_path(branch), branch)
+            if ok and self.ws.config.engine_source:  # an edited kernel: its test and micro-benchmark too
+                kok, kmsg = kernel_feedback(self.ws, self.ws.head(branch))
+                ok, msg = (kok, f"{msg}; {kmsg}") if kmsg else (ok, msg)
             return SmokeResult(ok, msg)
 
         return smoke
