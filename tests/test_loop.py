@@ -78,14 +78,18 @@ def test_a_speedup_above_the_ceiling_is_rejected(ws, ceiling):
 
 
 def test_a_branch_lossless_when_forced_but_wrong_when_timed_is_rejected(ws, ceiling):
-    """Forcing sends each prompt once; the paired benchmark repeats them. This candidate answers a
-    prompt it has seen before with one token only: clean under forcing, 'fast' under the benchmark."""
+    """A candidate that can tell it is being timed: the paired benchmark freezes the idle side (SIGSTOP)
+    while the other is timed, and this one notices the SIGCONT that resumes it; from then on it answers with
+    one token. Forcing never freezes it (clean there); the check of every timed output catches it. (It used to
+    tell by a repeated prompt; every pass now runs in fresh processes, so none repeats.)"""
     make_branch(ws, "two-faced", {"decoder/generate.py": patch_generate(
-        "import builtins, dataclasses\n"
-        "seen = builtins.__dict__.setdefault('_seen_prompts', set())\n"
-        "if tuple(prompt) in seen:\n"
-        "    cfg = dataclasses.replace(cfg, max_new_tokens=1)\n"
-        "seen.add(tuple(prompt))")}, "short answers when timed")
+        "import builtins, dataclasses, signal\n"
+        "st = builtins.__dict__.setdefault('_bench_seen', [])\n"
+        "if not st:\n"
+        "    st.append(0)\n"
+        "    signal.signal(signal.SIGCONT, lambda *a: st.append(1))\n"
+        "if len(st) > 1:\n"
+        "    cfg = dataclasses.replace(cfg, max_new_tokens=1)")}, "short answers when timed")
     att = evaluate(ws, "two-faced", ws.stock_commit, 1.3, ceiling)
     assert att.status == "rejected" and att.reason.startswith("timed output differs from stock"), att.reason
     assert "1 tokens where stock gives 16" in att.reason

@@ -289,6 +289,48 @@ def test_the_benchmark_order_is_new_every_pass(tmp_path):
 
         b.generate = recording
         paired_bench(a, b, prompts, 1, min_passes=4, max_passes=4, rel_ci=0.0)
-    passes = [tuple(seen[1 + 6 * i:1 + 6 * (i + 1)]) for i in range(4)]  # after the one warm-up request
+    passes = [tuple(seen[1 + 7 * i:7 * (i + 1)]) for i in range(4)]  # each after its pass's warm-up request
     assert all(sorted(p) == list(range(6)) for p in passes), passes
     assert len(set(passes)) > 1, passes  # 4 equal draws of 720 orders: about 1 in 4e8
+
+
+MEMO = r'''
+import json, sys
+seen = set()
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("op") == "quit":
+        break
+    key = tuple(req["prompt_ids"])
+    print(json.dumps({"id": req["id"], "tokens": [1 if key in seen else 0]}), flush=True)
+    seen.add(key)
+'''
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_no_timed_prompt_is_one_the_process_has_answered_before(tmp_path, fresh):
+    """A system that remembers answers across requests (llama.cpp's ngram-mod does, a candidate could on
+    purpose) would be timed on repeats from the second pass on; every pass runs in fresh processes, warmed on a
+    prompt that is never timed, so each timed prompt is new to the process that answers it. The recorder
+    answers 1 for a prompt it has seen: with `fresh=False` (the old protocol) repeats are timed."""
+    from workbench.measure import Prompt, paired_bench
+
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "memo.py").write_text(MEMO)
+    prompts = [Prompt(f"p{i}", [i, i + 1]) for i in range(4)]
+    argv = [sys.executable, "-I", str(wt / "memo.py")]
+    timed: list[list[int]] = []
+
+    def check(pid, toks):
+        timed.append(toks)
+        return None
+
+    with SystemProcess(wt, argv) as a, SystemProcess(wt, argv) as b:
+        paired_bench(a, b, prompts, 1, min_passes=3, max_passes=3, rel_ci=0.0, check_b=check, fresh=fresh)
+    assert len(timed) == 12
+    if fresh:
+        assert all(t == [0] for t in timed), timed
+    else:
+        assert timed.count([1]) == 8, timed  # passes 2 and 3 were repeats

@@ -270,6 +270,7 @@ class SystemProcess:
         self.sandboxed = False
         self.sandbox_note = ""
         self.peak_rss = 0
+        self.served = 0  # requests sent to the current process (a restart starts again at 0)
         self._log_thread: threading.Thread | None = None
         self.branch = current_branch()  # whose work this is: cancel_branch reaches it
 
@@ -315,8 +316,8 @@ class SystemProcess:
         if self.branch is not None:
             with _LIVE_LOCK:
                 _LIVE.setdefault(self.branch, {})[id(self)] = self
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc, self._lines), daemon=True).start()
+        threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
         ready = self._get(self.limits.start_s, "start-up (model loading)")
         if not ready.get("ready"):
             self.kill("protocol")
@@ -379,6 +380,16 @@ class SystemProcess:
                 self.kill("cheat")
                 raise SystemCrash("cheat", f"thread {tid} moved itself to CPUs {sorted(mine)} outside the "
                                            f"benchmark's {sorted(cpus)} while being timed")
+
+    def restart(self) -> dict:
+        """The system again in a fresh process (and, sandboxed, a fresh /tmp): nothing an earlier request
+        left in its memory carries over, so a prompt timed again is new to it (untimed, like `start`)."""
+        self.close()
+        self.proc = None
+        self._lines = queue.Queue()
+        self._killed = None
+        self.served = 0
+        return self.start()
 
     def close(self) -> None:
         """Ask the system to quit, then kill what is left of its process group."""
@@ -447,6 +458,7 @@ class SystemProcess:
             return self._send(body, config, profile)
 
     def _send(self, body: dict, config: dict | None, profile: bool) -> tuple[dict, int, float]:
+        self.served += 1
         self._next_id += 1
         rid = self._next_id
         req: dict = {"id": rid, **body}
@@ -512,22 +524,24 @@ class SystemProcess:
         lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
         return lines[-1].strip()[:200] if lines else ""
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
+    def _read(self, proc: subprocess.Popen, lines: queue.Queue) -> None:
+        """`proc`'s protocol lines into `lines` (bound at start: a restart's new process has its own)."""
+        assert proc.stdout is not None
         while True:
-            raw = self.proc.stdout.readline(MAX_PROTOCOL_LINE + 1)
+            raw = proc.stdout.readline(MAX_PROTOCOL_LINE + 1)
             if not raw:
                 break
             if len(raw) > MAX_PROTOCOL_LINE:
-                self.kill("protocol")
+                if self.proc is proc:
+                    self.kill("protocol")
                 break
             try:
                 obj = json.loads(raw)
             except ValueError:
                 continue  # not protocol: ignore (the server sends prints to stderr anyway)
             if isinstance(obj, dict):
-                self._lines.put(obj)
-        self._lines.put(None)
+                lines.put(obj)
+        lines.put(None)
 
     def _over_memory(self) -> bool:
         """Measure the process tree now (resident memory plus, sandboxed, its RAM-backed files) and
@@ -539,8 +553,8 @@ class SystemProcess:
         self.peak_rss = max(self.peak_rss, rss)
         return self.peak_rss > self.limits.memory_mb * 2**20
 
-    def _watch(self) -> None:
-        while self.proc is not None and self.proc.poll() is None:
+    def _watch(self, proc: subprocess.Popen) -> None:
+        while self.proc is proc and proc.poll() is None:
             if self._over_memory():
                 self.kill("memory")
                 return

@@ -152,8 +152,15 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                  max_passes: int = 8, rel_ci: float = 0.02, budget_s: float = 300.0,
                  config_a: dict | None = None, config_b: dict | None = None,
                  cpus: set[int] | None = None, label: str = "bench",
-                 check_b: Callable[[str, list[int]], str | None] | None = None, batch: int = 1) -> PairResult:
+                 check_b: Callable[[str, list[int]], str | None] | None = None, batch: int = 1,
+                 fresh: bool = True) -> PairResult:
     """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends.
+
+    `fresh` (the default): both systems are restarted before every pass (`SystemProcess.restart`, untimed) and
+    warmed on a prompt that is never timed (`warm_prompt`), so every timed request is a prompt the process has
+    not seen: a system cannot be credited for remembering an earlier pass's output (llama.cpp's ngram-mod keeps
+    its n-gram table across requests and drafts a repeated prompt's whole answer; a candidate could cache
+    answers on purpose). A real deployment's requests are distinct.
 
     `batch` > 1 times batches: each timed unit is `batch` prompts sent at once to the system's batched
     engine (`SystemProcess.generate_batch`), as a server under that load receives them; at least two units
@@ -170,14 +177,17 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     a_out: dict[str, list[list[int]]] = {}
     b_out: dict[str, list[list[int]]] = {}
     t0 = time.perf_counter()
+    warm = [warm_prompt(prompts)] * batch
     with measurement_lock():
-        a.pin(cpus)
-        b.pin(cpus)
-        warm = [prompts[j % len(prompts)] for j in range(batch)]
-        for sp, conf in ((a, config_a), (b, config_b)):  # warm both (lazy initialisation, caches) untimed
-            _run_unit(sp, warm, min(n, 8), conf)
-        step(label, 0, max_passes, "warming up")
         for i in range(max_passes):
+            if i == 0 or fresh:
+                step(label, i, max_passes, "starting both systems afresh and warming them up" if fresh and i else
+                     "warming up")
+                for sp, conf in ((a, config_a), (b, config_b)):  # untimed: lazy initialisation on an untimed prompt
+                    if fresh and sp.served:  # it answered requests before: a new process, nothing remembered
+                        sp.restart()
+                    sp.pin(cpus)
+                    _run_unit(sp, warm, min(n, 8), conf)
             ta = tb = 0.0
             # A new order every pass, from the OS's randomness: neither side can predict which prompt comes
             # next or whether it goes first; half the pairs run A B, half B A, so drift cancels.
@@ -219,6 +229,12 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     m, lo, hi = _ci(ratios)
     return PairResult(m, lo, hi, len(ratios), tok_a / ta_all if ta_all else 0.0, tok_b / tb_all if tb_all else 0.0,
                       ratios, sorted(mismatched), a_out, b_out)
+
+
+def warm_prompt(prompts: list[Prompt]) -> Prompt:
+    """A prompt for warming a system that no timed request repeats: the first prompt's tokens reversed (same
+    length and vocabulary, another text, so its answer is another answer)."""
+    return Prompt("warm-up", list(reversed(prompts[0].ids)))
 
 
 def _units(prompts: list[Prompt], batch: int) -> list[list[Prompt]]:

@@ -27,7 +27,7 @@ from workbench.agents.base import AgentContext, AgentResult, Direction
 from workbench.agents.kernel import applicable as applicable_kernels
 from workbench.agents.kernel import kernel_search
 from workbench.forcing import run_system, stock_reference
-from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock
+from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock, warm_prompt
 from workbench.progress import step
 from workbench.workspace import Workspace, WorkspaceError
 
@@ -232,7 +232,8 @@ class TunerAgent:
                 scores: dict[str, float] = {}
                 per_point: dict[str, dict[int, float]] = {}
                 with measurement_lock():
-                    sp.generate(use[0].ids, 4, config=base.as_dict())  # warm
+                    if sp.served:  # a fresh process each rung: nothing from an earlier rung's prompts remembered
+                        sp.restart()
                     group = [base_c, *alive]
                     for i, c in enumerate(group):
                         step(f"tuning r{rung + 1}/{len(self.rungs)}", i, len(group),
@@ -263,13 +264,13 @@ class TunerAgent:
                 if rung < len(self.rungs) - 1:
                     top = max(1, math.ceil(len(alive) * KEEP))
                     alive = alive[:top] + [c for c in alive[top:] if c.defaults]
-            # The finalist against the current config, interleaved A B B A on every visible prompt:
+            # The finalist against the current config, interleaved (A B, B A) on every visible prompt,
             # single sequential runs on a shared machine are too noisy to decide on.
             if transferred is None and alive and not ctx.stop.is_set():
                 step("tuning final", detail=str(alive[0].changes))
                 with measurement_lock():
                     ratio, at = self._paired_load(sp, base, alive[0].cfg, prompts, min(self.rungs[-1][1], limit))
-                # Per point it is recorded, not judged: two short A B B A sweeps of one batch are too noisy
+                # Per point it is recorded, not judged: three short sweeps of one batch are too noisy
                 # to hold a point to LOAD_FLOOR; the cascade's paired benchmark (CI, confirmation) does.
                 history.append({"final": alive[0].changes, "paired_ratio": ratio,
                                 **({"points": at, "below_floor": [b for b, r in at.items() if r < LOAD_FLOOR]}
@@ -321,6 +322,7 @@ class TunerAgent:
                 tps, bad = self._score(sp, cfg, prompts, n, ref, threshold)
             else:
                 batch = [prompts[j % len(prompts)] for j in range(bs)]
+                sp.generate_batch([warm_prompt(prompts).ids] * bs, 2, config=cfg.as_dict())  # untimed, as _score
                 r = sp.generate_batch([p.ids for p in batch], n, config=cfg.as_dict())
                 bad = next((why for p, toks in zip(batch, r.outputs, strict=True)
                             if (why := _off_stock(ref[p.id], toks, n, threshold))), "")
@@ -330,10 +332,10 @@ class TunerAgent:
             out[bs] = tps
         return out, ""
 
-    def _paired_load(self, sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 2
+    def _paired_load(self, sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 3
                      ) -> tuple[float, dict[int, float]]:
-        """time(a) / time(b) at every batch size of the load (A B B A, batches of the prompts cycled), and
-        their geometric mean."""
+        """time(a) / time(b) at every batch size of the load (A B, then B A, a fresh process each pass; batches of
+        the prompts cycled), and their geometric mean."""
         at = {}
         for bs in self.points:
             if bs == 1:
@@ -341,8 +343,12 @@ class TunerAgent:
                 continue
             batch = [prompts[j % len(prompts)].ids for j in range(bs)]
             ta = tb = 0.0
-            for _ in range(passes):
-                for conf in (a, b, b, a):
+            for i in range(passes):  # as _paired: a fresh process per pass, each batch once per config
+                if sp.served:
+                    sp.restart()
+                for conf in (a, b):
+                    sp.generate_batch([warm_prompt(prompts).ids] * bs, 2, config=conf.as_dict())
+                for conf in ((a, b) if i % 2 == 0 else (b, a)):
                     r = sp.generate_batch(batch, n, config=conf.as_dict())
                     ta, tb = (ta + r.seconds, tb) if conf is a else (ta, tb + r.seconds)
             at[bs] = ta / tb if tb else 0.0
@@ -386,13 +392,21 @@ class TunerAgent:
         return Candidate({"load_schedule": text}, "measured-schedule", cfg)
 
     @staticmethod
-    def _paired(sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 2) -> float:
-        """time(a) / time(b) over `passes` A B B A sweeps of the prompts."""
+    def _paired(sp, a: DecodeConfig, b: DecodeConfig, prompts, n: int, passes: int = 3) -> float:
+        """time(a) / time(b) over `passes` sweeps of the prompts, A B and B A alternating prompt by prompt and
+        pass by pass. Every pass runs in a fresh process, both configs warmed on an untimed prompt, and sees
+        each prompt once per config: a config that remembers answers across requests (llama.cpp's ngram-mod)
+        is not credited for a prompt it already answered."""
         ta = tb = 0.0
         ca, cb = a.as_dict(), b.as_dict()
-        for _ in range(passes):
-            for p in prompts:
-                for conf in (ca, cb, cb, ca):
+        warm = warm_prompt(prompts).ids
+        for i in range(passes):
+            if sp.served:
+                sp.restart()
+            for conf in (ca, cb):
+                sp.generate(warm, 2, config=conf)
+            for j, p in enumerate(prompts):
+                for conf in ((ca, cb) if (i + j) % 2 == 0 else (cb, ca)):
                     r = sp.generate(p.ids, n, config=conf)
                     if conf is ca:
                         ta += r.seconds
@@ -402,8 +416,11 @@ class TunerAgent:
 
     @staticmethod
     def _score(sp, cfg: DecodeConfig, prompts, n: int, ref: dict, threshold: float) -> tuple[float, str]:
+        """Tokens/s of `cfg` over `prompts`, after an untimed request of it on a prompt never timed (a config's
+        first request may start its server or build its drafter: not what a deployment pays per request)."""
         tokens, seconds = 0, 0.0
         conf = cfg.as_dict()
+        sp.generate(warm_prompt(prompts).ids, 2, config=conf)
         for p in prompts:
             r = sp.generate(p.ids, n, config=conf)
             bad = _off_stock(ref[p.id], r.tokens, n, threshold)
