@@ -192,6 +192,29 @@ def test_the_system_runs_in_the_sandbox_serves_overrides_and_refuses_batches(dem
 
 
 @needs_llamacpp
+def test_the_width_profile_is_measured_at_the_threads_the_commit_runs(demo_ws):
+    """A base that runs 2 threads is priced with forward costs measured at 2 threads (at stock's 1 thread its
+    host overhead came out negative); each thread count is measured once and kept beside the others."""
+    from workbench.costing import _threads_of, width_profile
+
+    said: list[str] = []
+
+    def say(msg, *a, **k):
+        said.append(msg)
+
+    one = width_profile(demo_ws, say)
+    assert one.measured["threads"] == 1 == _threads_of(demo_ws, demo_ws.stock_commit)
+    two = width_profile(demo_ws, say, threads=2)
+    assert two.measured["threads"] == 2 and "2 thread(s)" in said[-1]
+    n = len(said)
+    assert width_profile(demo_ws, say).measured["threads"] == 1 and width_profile(demo_ws, say, 2).measured[
+        "threads"] == 2
+    assert len(said) == n  # both kept: nothing measured again
+    saved = json.loads((demo_ws.state / "widths.json").read_text())
+    assert sorted(p["key"]["threads"] for p in saved["profiles"]) == [1, 2]
+
+
+@needs_llamacpp
 def test_stock_forces_clean_with_llamacpps_own_margins(demo_ws):
     from workbench.forcing import force, stock_reference
 

@@ -28,6 +28,7 @@ from costmodel.kernels import profile as kernel_profile_of
 from costmodel.model_profile import load_model_profile
 from costmodel.step import Drafter
 from costmodel.widths import WidthProfile, measured_profile, width_gaps
+from decoder.config import ConfigError
 from decoder.engines import EngineError
 from decoder.engines.llamacpp import bench_widths
 from decoder.engines.llamacpp_config import LlamaCppConfig
@@ -41,12 +42,12 @@ from workbench.workspace import Workspace, WorkspaceError
 Say = Callable[..., None]  # say(message, kind="loop", payload=None): progress line and ledger event
 
 
-def width_profile(ws: Workspace, say: Say) -> WidthProfile:
-    """A llama.cpp workspace's cost model: the engine's forward cost at each verify width for stock's threads,
-    measured with llama-bench at the prompts' mean context, cached in `.specpilot/widths.json` per (model,
-    threads, fixed flags, depth)."""
-    cfg = LlamaCppConfig.from_table(ws.config_at(ws.stock_commit), known_only=True)
-    threads = cfg.threads or len(os.sched_getaffinity(0))
+def width_profile(ws: Workspace, say: Say, threads: int | None = None) -> WidthProfile:
+    """A llama.cpp workspace's cost model: the engine's forward cost at each verify width at `threads` (default
+    stock's), measured with llama-bench at the prompts' mean context, cached in `.specpilot/widths.json` per
+    (model, threads, fixed flags, depth)."""
+    if threads is None:
+        threads = _threads_of(ws, ws.stock_commit)
     prompts = load_prompts(ws)
     depth = int(sum(len(p.ids) for p in prompts) / max(len(prompts), 1)) + ws.config.forcing_max_new_tokens // 2
     fixed = fixed_server_flags(ws)
@@ -54,10 +55,12 @@ def width_profile(ws: Workspace, say: Say) -> WidthProfile:
     path = ws.state / "widths.json"
     try:
         saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return WidthProfile.from_dict(saved["profile"])
-    except (OSError, ValueError, KeyError):
-        pass
+    except (OSError, ValueError):
+        saved = {}
+    kept = [p for p in saved.get("profiles", [saved] if "key" in saved else []) if isinstance(p, dict)]
+    for entry in kept:
+        if entry.get("key") == key and "profile" in entry:
+            return WidthProfile.from_dict(entry["profile"])
     say(f"measuring llama.cpp's forward cost per verify width for the cost model (llama-bench, {threads} thread(s), "
         f"context {depth})")
     bench = (ws.config.engine_bin / "llama-bench") if ws.config.engine_bin else None
@@ -71,10 +74,20 @@ def width_profile(ws: Workspace, say: Say) -> WidthProfile:
     prof = measured_profile(f"llama.cpp {ws.config.target.name}, {threads} thread(s)", mean, roofline, threads=threads,
                             depth=depth, stddev_ms={str(w): round(v, 4) for w, v in std.items()},
                             bandwidth_GBps=round(bandwidth, 3), bandwidth_source=how)
+    kept = [e for e in kept if e.get("key") != key] + [{"key": key, "profile": prof.as_dict()}]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "profile": prof.as_dict()}))
+    tmp.write_text(json.dumps({"profiles": kept}))
     os.replace(tmp, path)
     return prof
+
+
+def _threads_of(ws: Workspace, commit: str) -> int:
+    """The CPU threads llama-server runs with at `commit` (its config's, else every CPU this process may use)."""
+    try:
+        cfg = LlamaCppConfig.from_table(ws.config_at(commit), known_only=True)
+    except (WorkspaceError, ConfigError):
+        cfg = LlamaCppConfig()
+    return cfg.threads or len(os.sched_getaffinity(0))
 
 
 def kernel_profile(ws: Workspace, say: Say) -> dict | None:
@@ -212,7 +225,7 @@ def plausibility_ceiling(ws: Workspace, hw: HardwareProfile | WidthProfile, say:
 
 
 def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
-                hardware: Callable[[], HardwareProfile | WidthProfile]) -> dict:
+                hardware: Callable[[], HardwareProfile | WidthProfile], say: Say | None = None) -> dict:
     """Profile `commit` through the harness and break its time per token into ranked gaps. Saved per commit
     (`.specpilot/gaps/<commit>.json`, with `label` and the time): a later launch on the same base reuses it
     (or a round's profile of it), and the TUI's Overview shows whichever ran last."""
@@ -225,7 +238,7 @@ def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
         pass
     earlier = [r.summary["gaps"] for r in ws.memory.list_rounds(dep_id)
                if r.base_commit == commit and (r.summary.get("gaps") or {}).get("breakdown")]
-    out = earlier[-1] if earlier else _profile_gaps(ws, commit, hardware())
+    out = earlier[-1] if earlier else _profile_gaps(ws, commit, hardware(), say)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"commit": commit, "label": label, "measured_at": time.time(), **out}))
@@ -233,7 +246,11 @@ def commit_gaps(ws: Workspace, dep_id: int, commit: str, label: str,
     return out
 
 
-def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile | WidthProfile) -> dict:
+def _quiet(*_args, **_kw) -> None:
+    return None
+
+
+def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile | WidthProfile, say: Say | None = None) -> dict:
     wt = ws.detached_worktree("_measure", commit)
     prompts = load_prompts(ws)
     draft_len = ws.contract.verify_width(ws.config_at(commit)) - 1  # a candidate's own keys pass through
@@ -243,6 +260,9 @@ def _profile_gaps(ws: Workspace, commit: str, hw: HardwareProfile | WidthProfile
         loads = {bs: _load_profile(sp, prompts, bs, ws.config.forcing_max_new_tokens)
                  for bs in ws.config.batch_sizes if bs > 1}
     if isinstance(hw, WidthProfile):
+        threads = _threads_of(ws, commit)
+        if hw.measured.get("threads") not in (None, threads):  # the forward costs at the threads this commit runs
+            hw = width_profile(ws, say or _quiet, threads)
         return {"entry": entry.as_dict(), "breakdown": width_gaps(entry.as_dict(), hw, len(prompts)).as_dict()}
     context = int(sum(len(p.ids) for p in prompts) / len(prompts))
     bd = measured_gaps(entry, hw, load_model_profile(ws.config.target), context, num_prompts=len(prompts))

@@ -217,7 +217,7 @@ class Loop:
 
     def gaps(self, commit: str, label: str = "") -> dict:
         """The ranked gaps of `commit`, profiled once per commit (`commit_gaps`)."""
-        return commit_gaps(self.ws, self.dep_id, commit, label, self.hardware)
+        return commit_gaps(self.ws, self.dep_id, commit, label, self.hardware, self.say)
 
     def directions(self, breakdown: dict, exhausted: set[str], base: str | None = None) -> list[Direction]:
         """The round's directions (`plan_directions`) on `base`'s config as the tuner reads it."""
