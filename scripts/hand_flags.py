@@ -23,7 +23,7 @@ from decoder.engines.llamacpp_config import SPEC_TYPES, LlamaCppConfig
 from workbench.costing import speedup_over_ar
 from workbench.forcing import force
 from workbench.loop import AR_BRANCH, Loop, LoopOptions
-from workbench.workspace import Workspace, WorkspaceError
+from workbench.workspace import NAME_OK, Workspace, WorkspaceError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     commits: dict[str, str] = {}
     for item in args.commit:
         name, _, rev = item.partition("=")
+        if not name or set(name) - NAME_OK or name.startswith((".", "-")):
+            print(f"error: --commit {item}: NAME may hold letters, digits, '-', '_' and '.' (it names a branch)",
+                  file=sys.stderr)
+            return 2
         try:
             commits[name] = ws.rev(rev)
         except Exception:  # noqa: BLE001 - any git failure is this one bad value

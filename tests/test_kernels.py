@@ -223,7 +223,9 @@ def test_the_exported_kernel_patch_applies_upstream_and_passes_the_kernel_test_t
                    "--kernel-test", "--json"])
         cap = capsys.readouterr()
         assert rc == 0, cap.err
-        result = json.loads(cap.out.splitlines()[-1])
+        out_json = json.loads(cap.out)  # one JSON object: the files written and the kernel test
+        assert [Path(f).parent.name for f in out_json["files"]] == ["up"]
+        result = out_json["kernel_test"]
         assert result["ok"] and result["changed"] == ["ggml/src/ggml-cpu/ggml-cpu.c"], result
         assert result["reason"].startswith("kernel test on the upstream tree: within")
         assert result["max_rel_error"] < K.TOLERANCE / 3 and "llama-cpp-python" in result["applied_on"]

@@ -226,8 +226,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
                        Path(args.upstream) if args.upstream else None)
     except _errors() as e:
         return fail(str(e))
-    for f in files:
-        print(f)
+    if not (args.kernel_test and args.json):  # with both: one JSON object below, the files in it
+        for f in files:
+            print(f)
     if args.branch:
         print(f"branch {args.branch}: stock + {len(ms)} mechanism(s)", file=sys.stderr)
     if not args.kernel_test:
@@ -242,7 +243,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return EXIT_CRASH
     except _errors() as e:
         return fail(str(e))
-    print(json.dumps(result) if args.json else result["reason"])
+    print(json.dumps({"files": [str(f) for f in files], "kernel_test": result}) if args.json else result["reason"])
     return 0 if result["ok"] else EXIT_MISMATCH
 
 
