@@ -271,7 +271,9 @@ class Loop:
             ok, msg = smoke_run(self.ws, self.ws.worktree_path(branch), branch)
             if ok and self.ws.config.engine_source:  # an edited kernel: its test and micro-benchmark too
                 kok, kmsg = kernel_feedback(self.ws, self.ws.head(branch))
-                ok, msg = (kok, f"{msg}; {kmsg}") if kmsg else (ok, msg)
+                if kmsg:  # the kernel's verdict first: a failed kernel test fails the smoke run
+                    ok, msg = kok, (f"{msg}; {kmsg}" if kok else f"{kmsg} (the system itself ran: "
+                                                                  f"{msg.removeprefix('ok: ')})")
             return SmokeResult(ok, msg)
 
         return smoke
