@@ -236,6 +236,15 @@ def test_the_exported_kernel_patch_applies_upstream_and_passes_the_kernel_test_t
         cmake.write_text(patch.read_text().replace("ggml/src/ggml-cpu/ggml-cpu.c", "ggml/CMakeLists.txt"))
         with pytest.raises(SystemCrash, match="ggml/CMakeLists.txt: the upstream kernel test takes patches of"):
             upstream_kernel_test(ws, [cmake])
+        # a rename has no ---/+++ lines to read: what was applied is checked, before anything is built
+        renamed = out / "rename.patch"
+        renamed.write_text("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+                           "From: x <x@x>\nDate: Thu, 1 Jan 2026 00:00:00 +0000\nSubject: [PATCH] rename\n\n---\n"
+                           "diff --git a/ggml/src/ggml-cpu/ggml-cpu.c b/ggml/src/ggml-cpu/ggml-cpu.txt\n"
+                           "similarity index 100%\nrename from ggml/src/ggml-cpu/ggml-cpu.c\n"
+                           "rename to ggml/src/ggml-cpu/ggml-cpu.txt\n-- \n2.0\n\n")
+        with pytest.raises(SystemCrash, match="the patches change ggml/src/ggml-cpu/ggml-cpu.txt"):
+            upstream_kernel_test(ws, [renamed])
     finally:
         ws.close()
 

@@ -157,23 +157,12 @@ def _build(ws, commit: str, tree: str, out: Path) -> None:
                             "-j", str(BUILD_JOBS)])
         kernel_bench = shlex.join(compile_command(source_dir() / "ggml" / "include", cache_build,
                                                   cache_build / "bin" / "ggml-matmul-bench"))
-        spec = sandbox_spec(src, [BENCH_SOURCE.parent], ["/bin/sh", "-c", f"{build} && {kernel_bench}"],
-                            {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "TMPDIR": "/tmp"},
-                            int(ws.config.limits.get("memory_mb", 4096)))
         # The sdist's git metadata: the seed build's CMake step depends on its index (read-only, from the cache).
         meta = [[str(m), str(m), False] for m in [source_dir().parent.parent / ".git"] if m.is_dir()]
-        spec["bind"] = [[str(src), str(source_dir()), False], [str(bld), str(cache_build), True], *meta]
-        spec["own"] = [str(cache_build)]  # as root: the build's copy belongs to the uid the sandbox drops to
-        spec["cwd"] = str(cache_build)
-        spec["tmp_size"] = "1g"
-        with open(log, "wb") as f:
-            try:
-                r = subprocess.run(sandbox_command(spec), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                   env=_host_env(), timeout=BUILD_TIMEOUT_S, preexec_fn=_die_with_parent)
-            except subprocess.TimeoutExpired:
-                raise SystemCrash("build", f"the engine build ran over {BUILD_TIMEOUT_S} s (log: {log})") from None
-        if r.returncode != 0:
-            raise SystemCrash("build", f"the engine does not build: {_first_error(log)} (log: {log})")
+        # as root: the build's copy belongs to the uid the sandbox drops to (own)
+        sandboxed_build(src, f"{build} && {kernel_bench}", log, "the engine",
+                        binds=[[str(src), str(source_dir()), False], [str(bld), str(cache_build), True], *meta],
+                        own=cache_build, memory_mb=int(ws.config.limits.get("memory_mb", 4096)))
         (tmp / "bin").mkdir()
         for name in TOOLS:
             built = bld / "bin" / name
@@ -193,6 +182,28 @@ def _build(ws, commit: str, tree: str, out: Path) -> None:
         raise SystemCrash("build", f"the engine build made no binary ({e.filename}; log: {log})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sandboxed_build(root: Path, script: str, log: Path, what: str, *, binds: list, own: Path,
+                    memory_mb: int) -> None:
+    """Run a build `script` (sh) in the sandbox: `root` read-only as its worktree, the kernel bench's source
+    visible, `binds` ([host, path inside, writable]) mounted, `own` (the build folder, also the working
+    directory) given to the sandbox's uid; output to `log`. SystemCrash("build", one line naming `what` and
+    the compiler's first error) when it fails or runs over BUILD_TIMEOUT_S."""
+    spec = sandbox_spec(root, [BENCH_SOURCE.parent], ["/bin/sh", "-c", script],
+                        {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "TMPDIR": "/tmp"}, memory_mb)
+    spec["bind"] = binds
+    spec["own"] = [str(own)]
+    spec["cwd"] = str(own)
+    spec["tmp_size"] = "1g"
+    with open(log, "wb") as f:
+        try:
+            r = subprocess.run(sandbox_command(spec), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                               env=_host_env(), timeout=BUILD_TIMEOUT_S, preexec_fn=_die_with_parent)
+        except subprocess.TimeoutExpired:
+            raise SystemCrash("build", f"the build of {what} ran over {BUILD_TIMEOUT_S} s (log: {log})") from None
+    if r.returncode != 0:
+        raise SystemCrash("build", f"{what} does not build: {_first_error(log)} (log: {log})")
 
 
 def _export(ws, commit: str, dst: Path) -> set[str]:

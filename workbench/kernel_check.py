@@ -30,7 +30,6 @@ from pathlib import Path
 import git
 
 from costmodel.kernels import (
-    BENCH_SOURCE,
     TOLERANCE,
     KernelBenchError,
     bench_args,
@@ -42,7 +41,7 @@ from costmodel.kernels import (
     stock_bench,
 )
 from decoder.engines.llamacpp_build import CMAKE_FLAGS, LLAMA_CPP_PYTHON_VERSION, source_dir
-from workbench.engine_source import BUILD_JOBS, BUILD_TIMEOUT_S, _first_error, changed_engine_files, engine_tool
+from workbench.engine_source import BUILD_JOBS, changed_engine_files, engine_tool, sandboxed_build
 from workbench.gate import measurement_lock, untimed
 from workbench.harness import (
     SystemCrash,
@@ -256,7 +255,7 @@ def upstream_kernel_test(ws, patches: list[Path], *, micro: bool = True) -> dict
     if not patches:
         raise SystemCrash("kernel", "no engine patches to test")
     for p in patches:
-        bad = [f for f in _patched_files(p) if not (f.startswith("ggml/src/") and f.endswith(_KERNEL_SOURCES))]
+        bad = [f for f in _patched_files(p) if not _kernel_source(f)]
         if bad:
             raise SystemCrash("kernel", f"{p.name} changes {bad[0]}: the upstream kernel test takes patches of "
                                         "C/C++ sources under ggml/src only")
@@ -283,6 +282,10 @@ def upstream_kernel_test(ws, patches: list[Path], *, micro: bool = True) -> dict
                 first = next((ln for ln in (e.stderr or "").splitlines() if ln.strip()), str(e))
                 raise SystemCrash("build", f"{p.name} does not apply to the upstream tree: {first.strip()}") from None
         changed = g.diff("--name-only", f"{base}..HEAD").split()
+        outside = [f for f in changed if not _kernel_source(f)]  # what was applied, not what the headers said
+        if outside:
+            raise SystemCrash("kernel", f"the patches change {outside[0]}: the upstream kernel test takes patches of "
+                                        "C/C++ sources under ggml/src only")
         step("upstream kernel test", detail=f"{len(patches)} patch(es) applied ({', '.join(changed[:3])}); building "
                                             "ggml and the kernel bench there")
         bld.mkdir()
@@ -295,22 +298,12 @@ def upstream_kernel_test(ws, patches: list[Path], *, micro: bool = True) -> dict
             shlex.join(["/usr/bin/cmake", "--build", str(bld), "--target", "ggml", "ggml-cpu", "ggml-base",
                         "-j", str(BUILD_JOBS)]),
             shlex.join(compile_command(tree / "ggml" / "include", bld, bench))])
-        spec = sandbox_spec(tree, [BENCH_SOURCE.parent], ["/bin/sh", "-c", script],
-                            {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "TMPDIR": "/tmp"},
-                            int(ws.config.limits.get("memory_mb", 4096)))
-        spec["bind"] = [[str(bld), str(bld), True]]
-        spec["own"] = [str(bld)]
-        spec["cwd"] = str(bld)
-        spec["tmp_size"] = "1g"
-        with open(log, "wb") as f, untimed():
-            try:
-                r = subprocess.run(sandbox_command(spec), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                   env=_host_env(), timeout=BUILD_TIMEOUT_S, preexec_fn=_die_with_parent)
-            except subprocess.TimeoutExpired:
-                raise SystemCrash("build", f"the upstream build ran over {BUILD_TIMEOUT_S} s (log: {log})") from None
-        if r.returncode != 0 or not bench.is_file():
-            raise SystemCrash("build", f"ggml does not build on the upstream tree with the patches: "
-                                       f"{_first_error(log)} (log: {log})")
+        with untimed():
+            sandboxed_build(tree, script, log, "ggml on the upstream tree with the patches",
+                            binds=[[str(bld), str(bld), True]], own=bld,
+                            memory_mb=int(ws.config.limits.get("memory_mb", 4096)))
+        if not bench.is_file():
+            raise SystemCrash("build", f"the upstream build made no kernel bench (log: {log})")
         step("upstream kernel test", detail="running the kernel bench built there on the deployment's weights")
         out = tmp / "outputs"
         out.mkdir()
@@ -330,6 +323,10 @@ def upstream_kernel_test(ws, patches: list[Path], *, micro: bool = True) -> dict
 
 
 _KERNEL_SOURCES = (".c", ".cpp", ".h", ".hpp", ".inc")
+
+
+def _kernel_source(path: str) -> bool:
+    return path.startswith("ggml/src/") and path.endswith(_KERNEL_SOURCES) and ".." not in path.split("/")
 
 
 def _patched_files(patch: Path) -> list[str]:
