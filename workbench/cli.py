@@ -239,13 +239,48 @@ def _cmd_train_hybrid(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
+    from decoder.engines import EngineError
+    from decoder.engines.smollm2 import DRAFTER_ASSET, ModelFetchError
+    from decoder.lab.smollm2_drafter import SmolDrafterSpec, train_smollm2_drafter
+
+    spec = SmolDrafterSpec(seed=args.seed)
+    for key in ("steps", "batch_size", "lr", "instructions"):
+        v = getattr(args, key)
+        if v is not None:
+            if v <= 0:
+                return fail(f"train smollm2-drafter: --{key.replace('_', '-')} {v} must be positive")
+            setattr(spec, key, v)
+    if args.num_layers is not None:
+        if not 1 <= args.num_layers <= 8:
+            return fail(f"train smollm2-drafter: --num-layers {args.num_layers}: use 1 to 8")
+        spec.num_layers = args.num_layers
+    work = Path(args.work_dir) if args.work_dir else Path("build/train-smollm2-drafter")
+    out = Path(args.out) if args.out else DRAFTER_ASSET
+    if args.force:
+        (work / "drafter.ckpt").unlink(missing_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        recipe = train_smollm2_drafter(work, out, spec)
+    except (ModelFetchError, EngineError) as e:
+        return fail(f"train smollm2-drafter: {e}")
+    except OSError as e:
+        return fail(f"train smollm2-drafter: {e.filename or work}: {e.strerror}; pass a writable --work-dir/--out")
+    print(json.dumps({"parameters": recipe["parameters"], "train_answers": recipe["train_answers"],
+                      "data_seconds": recipe["data_seconds"], "train_seconds": recipe["train_seconds"],
+                      "evaluation": recipe["evaluation"], "out": str(out)}))
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.what == "drafter":
         return _cmd_train_drafter(args)
+    if args.what == "smollm2-drafter":
+        return _cmd_train_smollm2_drafter(args)
     if args.what == "hybrid-demo":
         return _cmd_train_hybrid(args)
     if args.what != "demo":
-        return fail(f"train {args.what}: unknown; available: demo, hybrid-demo, drafter")
+        return fail(f"train {args.what}: unknown; available: demo, hybrid-demo, drafter, smollm2-drafter")
     from decoder.lab.train import train_demo
     from decoder.models import DEMO_DIR
 
@@ -346,10 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)  # `demo`
 
     t = sub.add_parser("train", help="train models by the project's own recipes")
-    t.add_argument("what", choices=("demo", "hybrid-demo", "drafter"),
+    t.add_argument("what", choices=("demo", "hybrid-demo", "drafter", "smollm2-drafter"),
                    help="demo: tokenizer, target and draft model of the embedded demo; hybrid-demo: the hybrid "
                         "recurrent target distilled from the demo target; drafter: a block "
-                        "drafter, MTP heads or the domain router for a target (self-distilled)")
+                        "drafter, MTP heads or the domain router for a target (self-distilled); smollm2-drafter: "
+                        "a draft model for SmolLM2-135M-Instruct distilled from its own answers (needs "
+                        "`make llama-cpp`)")
     t.add_argument("--out", help="output (demo: root, default the package's demo assets; drafter: its "
                                  "directory, default TARGET/drafters/KIND, router: TARGET/drafters/router.json)")
     t.add_argument("--work-dir", help="checkpoints and caches (default: build/train-demo, build/train-drafter)")
@@ -361,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096)")
     t.add_argument("--batch-size", type=int, help="drafter: sequences per step (default 16)")
     t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
-    t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1)")
+    t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1); smollm2-drafter: (default 2)")
+    t.add_argument("--instructions", type=int, help="smollm2-drafter: instructions to answer (default 4000)")
     t.add_argument("--heads", type=int, help="mtp: number of heads (default 6)")
     t.add_argument("--lr", type=float, help="drafter: peak learning rate")
     t.add_argument("--target-layers", help="drafter: target layers to read, e.g. 1,3,5 (default: spread, ending last)")

@@ -42,7 +42,14 @@ from decoder.engines import EngineError
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
 from decoder.engines.llamacpp_build import binary, engine_dir, gguf_path, is_built, missing_build_message
 from decoder.engines.llamacpp_config import LlamaCppConfig
-from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_hf_dir, smollm2_prompts
+from decoder.engines.smollm2 import (
+    ModelFetchError,
+    has_drafter,
+    smollm2_drafter_gguf,
+    smollm2_gguf,
+    smollm2_hf_dir,
+    smollm2_prompts,
+)
 from decoder.mechanisms import ENGINES, Contract, contract_for
 from store import Branch, Memory, StoreError, data_dir
 from workbench.engine_source import SOURCE_REL, carry_source
@@ -832,7 +839,10 @@ def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None,
     try:
         target = smollm2_gguf()
         hf = smollm2_hf_dir()  # its tokenizer (and chat template) tokenizes the prompts the harness sends
-        return target, None, hf, smollm2_prompts(hf) / f"{prompts}.jsonl"
+        # The draft model distilled for it (decoder/lab/smollm2_drafter.py), materialised from the committed
+        # weights and the target's own embedding; none when no drafter is committed.
+        drafter = smollm2_drafter_gguf() if has_drafter() else None
+        return target, drafter, hf, smollm2_prompts(hf) / f"{prompts}.jsonl"
     except ModelFetchError as e:
         raise WorkspaceError(f"--deployment smollm2: {e}") from None
 

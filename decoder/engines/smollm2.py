@@ -15,6 +15,7 @@ Used by the LLM agent's tests as a real local endpoint (`llama-server --jinja`),
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -111,6 +112,11 @@ PEER_GGUF = "SmolLM2-135M-Instruct.{outtype}.gguf"  # dequantised GGUFs for llam
 # general.file_type of the GGUFs we write (llama.cpp's LLAMA_FTYPE_ALL_F32 / LLAMA_FTYPE_MOSTLY_BF16)
 _FILE_TYPE = {"f32": 0, "bf16": 32}
 EXTRA = "smollm2"  # pyproject.toml's optional extra with gguf and accelerate
+# The draft model distilled for SmolLM2 (decoder/lab/smollm2_drafter.py): only its projection and layers are
+# committed; the GGUF llama.cpp loads is materialised beside the target's with the target's own embedding.
+DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "smollm2" / "drafter"
+DRAFTER_WEIGHTS = "drafter.safetensors"
+DRAFTER_GGUF = "SmolLM2-135M-Instruct-drafter.Q8_0.gguf"
 
 
 def _needs(*modules: str) -> None:
@@ -255,3 +261,50 @@ def _write_dequantised(src: Path, dest: Path, outtype: str) -> None:
     for _name, data, _tt in tensors:
         writer.write_tensor_data(data)
     writer.close()
+
+
+def has_drafter(asset: Path = DRAFTER_ASSET) -> bool:
+    """Whether a trained SmolLM2 drafter is committed (`specpilot train smollm2-drafter` writes one)."""
+    return (asset / DRAFTER_WEIGHTS).is_file()
+
+
+def smollm2_drafter_gguf(models_root: Path | None = None, asset: Path = DRAFTER_ASSET) -> Path:
+    """The committed drafter materialised as a Q8_0 GGUF beside the target's, its tokenizer keys copied from the
+    target's GGUF (llama.cpp checks a draft model's vocabulary against the target's). Written once, atomically;
+    rewritten when the committed weights change. Raises ModelFetchError (one line) when it cannot be written."""
+    weights = asset / DRAFTER_WEIGHTS
+    if not weights.is_file():
+        raise ModelFetchError(f"no SmolLM2 drafter at {weights}; train one with `specpilot train smollm2-drafter`")
+    target = smollm2_gguf(models_root)
+    stamp = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+    dest = smollm2_dir(models_root) / DRAFTER_GGUF
+    mark = dest.with_suffix(".source")
+
+    def current() -> bool:
+        return dest.is_file() and mark.is_file() and mark.read_text() == stamp
+
+    if current():
+        return dest
+    _needs("gguf")
+    with open(dest.parent / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():
+            return dest
+        # torch and transformers only now: every other caller of this module stays light.
+        from decoder.lab.smollm2_drafter import load_drafter, target_embedding, write_gguf
+
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", suffix=".part", dir=dest.parent)
+        os.close(fd)
+        try:
+            write_gguf(load_drafter(asset, target_embedding(target)), target, Path(tmp))
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dest)
+            mark.write_text(stamp)
+        except ModelFetchError:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        except Exception as e:  # noqa: BLE001 - gguf, torch and safetensors each raise their own types
+            Path(tmp).unlink(missing_ok=True)
+            raise ModelFetchError(f"could not write {dest.name} ({type(e).__name__}: {str(e).strip()[:200]}); "
+                                  f"delete {dest} and retry") from None
+    return dest

@@ -31,7 +31,13 @@ from decoder.contract import first_divergence, near_tie
 from decoder.engines import Engine, EngineError, EngineNotBuilt
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings, require_built, server_spec_types
 from decoder.engines.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, gguf_path
-from decoder.engines.smollm2 import ModelFetchError, smollm2_gguf, smollm2_peer_gguf
+from decoder.engines.smollm2 import (
+    ModelFetchError,
+    has_drafter,
+    smollm2_drafter_gguf,
+    smollm2_gguf,
+    smollm2_peer_gguf,
+)
 from decoder.stats import DecodeStats, MethodEntry
 
 PEERS = ("llama.cpp",)
@@ -92,7 +98,8 @@ def peer_settings(peers: tuple[str, ...], deployment: str, dtype: str, spec_type
     other_ar: tuple[tuple[str, Path, tuple[str, ...]], ...] = ()
     if deployment == "smollm2":
         try:  # the weights our engine runs, at the bench's dtype, and the Q4_1 file users run
-            target, drafter = smollm2_peer_gguf(GGUF_TYPE[dtype]), None
+            target = smollm2_peer_gguf(GGUF_TYPE[dtype])
+            drafter = smollm2_drafter_gguf() if has_drafter() else None
             # --no-repack: the native build's repacked (AMX) Q4_1 kernels die with an illegal instruction on
             # this VM (README, LLM agents on local endpoints); the plain Q4_1 kernels are what most CPUs run.
             other_ar = ((LLAMA_AR_Q4_1, smollm2_gguf(), ("--no-repack",)),)

@@ -1,0 +1,515 @@
+"""`specpilot train smollm2-drafter`: a draft model for SmolLM2-135M-Instruct, distilled from its own answers.
+
+llama.cpp's `draft-simple` needs a draft model sharing the target's vocabulary, and SmolLM2-135M is the
+smallest of its family. This recipe makes one (each stage resumable; every result written atomically):
+
+1. **Instructions** (self-instruct): the target itself, sampled (temperature 1, top-p 0.95, seeded per row)
+   after its chat template's user header and a steering opening ("Write a Python function that", "Explain",
+   ...), writes user instructions; deduplicated, and none equal to an instruction of the held-out bench sets.
+2. **Answers**: the deployment's own engine (llama-server on the Q4_1 GGUF, greedy, the bench's answer length)
+   answers each instruction rendered with the chat template; rows are appended as they finish, so a killed
+   run keeps what it has. The drafter learns what the target says, token for token.
+3. **Training**: a small Llama (`hidden_size`, `num_layers`) whose tied embedding is the target's own
+   embedding projected to `hidden_size` (E @ P; E frozen, P initialised from E's top right singular
+   vectors): logits live in the target's embedding space and the committed weights are only P and the
+   layers (~1 M parameters); the full drafter is materialised from the target's GGUF on first use.
+   Cross-entropy on the answer tokens, AdamW, warm-up + cosine, bf16 autocast; checkpoints every few
+   steps and batches that are a pure function of (seed, step), so a resumed run ends where an
+   uninterrupted one would.
+4. **Evaluation** on held-out answers and on the bench's own prompts: top-1 agreement and the expected
+   tokens per chain-verification step (tau) at draft length 1-4; written to recipe.json beside the weights.
+
+`decoder.engines.smollm2.smollm2_drafter_gguf()` writes the drafter as a GGUF (Q8_0) with the target's
+tokenizer metadata copied byte for byte, so llama.cpp accepts it as a draft model of the target.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaModel
+
+from decoder.engines.llamacpp import LlamaServer, ServerSettings
+from decoder.engines.smollm2 import (
+    DRAFTER_ASSET,
+    DRAFTER_WEIGHTS,
+    INSTRUCTIONS,
+    ModelFetchError,
+    smollm2_gguf,
+    smollm2_hf_dir,
+)
+from decoder.lab.train import _atomic_write_text, _lr_at, optimizer_step, resume_checkpoint, save_checkpoint, tick
+
+ROPE_THETA = 10000.0
+RMS_EPS = 1e-5
+
+CODE_OPENINGS = (
+    "Write a Python function that", "Write a Python function to", "Write a Python class that",
+    "Write a Python script that", "How do I", "Write a JavaScript function that", "Write a function in C that",
+    "Write a SQL query that", "Explain what this Python code does:", "Implement", "Write a program that",
+    "What is the difference between", "Write a Python function called",
+)
+PROSE_OPENINGS = (
+    "Write a short paragraph", "Give three tips for", "Explain", "Write a short email", "Summarise",
+    "What are the main differences between", "Write a haiku about", "Describe", "List four ways to",
+    "What causes", "Give advice to", "Write a short story", "What is", "Why do", "How does", "Write a poem about",
+)
+
+
+@dataclass
+class SmolDrafterSpec:
+    """Everything that determines the SmolLM2 drafter (written beside its weights)."""
+
+    seed: int = 0
+    instructions: int = 4000
+    code_share: float = 0.6
+    answer_tokens: int = 128  # the bench's answer length
+    val_rows: int = 160
+    hidden_size: int = 192
+    num_layers: int = 2
+    intermediate_size: int = 768
+    num_heads: int = 3
+    num_kv_heads: int = 1
+    steps: int = 600
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.05
+    checkpoint_every: int = 20
+    server_parallel: int = 16
+    threads: int = 2
+
+
+def _progress(msg: str) -> None:
+    print(f"smollm2-drafter: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- stages 1-2: data from the target itself
+
+def _user_header(tok) -> str:
+    """The chat template up to where the user's text starts (default system turn included)."""
+    mark = "\x00USER\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=False)
+    return text[: text.index(mark)]
+
+
+def _chat_prompt(tok, instruction: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+def _held_out() -> set[str]:
+    out = set()
+    for f in sorted(INSTRUCTIONS.glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                out.add(_norm(json.loads(line)["text"]))
+    return out
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The complete rows of a JSONL file appended to by a run that may have been killed mid-line."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _complete(port: int, body: dict, timeout: float = 600.0) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server answered {resp.status}: {data[:200]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
+def _serve_rows(port: int, todo: list[dict], make_body: Callable[[dict], dict],
+                keep: Callable[[dict, dict], dict | None], out: Path, parallel: int, label: str) -> None:
+    """POST every row of `todo` (in `parallel` requests at once); append what `keep` returns to `out`."""
+    done, t0 = 0, time.time()
+    with open(out, "a", encoding="utf-8") as fh, ThreadPoolExecutor(parallel) as pool:
+        for row, res in zip(todo, pool.map(lambda r: _complete(port, make_body(r)), todo), strict=True):
+            kept = keep(row, res)
+            if kept is not None:
+                fh.write(json.dumps(kept) + "\n")
+                fh.flush()
+            done += 1
+            if done % 100 == 0 or done == len(todo):
+                _progress(f"{label}: {done}/{len(todo)} ({done / max(1e-9, time.time() - t0):.1f}/s)")
+
+
+def _server(spec: SmolDrafterSpec) -> LlamaServer:
+    ctx = spec.server_parallel * 512
+    return LlamaServer(smollm2_gguf(), settings=ServerSettings(
+        threads=spec.threads, ctx_size=ctx, extra=("--parallel", str(spec.server_parallel), "--no-repack")),
+        name="smollm2-data")
+
+
+def make_instructions(spec: SmolDrafterSpec, work: Path, tok, port: int) -> list[str]:
+    """Stage 1: `spec.instructions` distinct user instructions written by the target (resumable)."""
+    out = work / "instructions.jsonl"
+    header, held = _user_header(tok), _held_out()
+    rng = random.Random(spec.seed)
+    n_code = int(round(spec.instructions * spec.code_share))
+    # Oversample: some samples are dropped as duplicates or as too short/long.
+    plan = [{"i": i, "opening": rng.choice(CODE_OPENINGS if i % 10 < spec.code_share * 10 else PROSE_OPENINGS),
+             "domain": "code" if i % 10 < spec.code_share * 10 else "prose"}
+            for i in range(int(spec.instructions * 1.6))]
+    seen = {r["i"] for r in _read_rows(out)}
+    todo = [p for p in plan if p["i"] not in seen]
+
+    def keep(row: dict, res: dict) -> dict | None:
+        text = (row["opening"] + res.get("content", "")).strip()
+        if not 4 <= len(text.split()) <= 40:
+            return {"i": row["i"], "text": None}
+        return {"i": row["i"], "domain": row["domain"], "text": text}
+
+    if todo and len([r for r in _read_rows(out) if r.get("text")]) < spec.instructions:
+        _serve_rows(port, todo, lambda r: {
+            "prompt": header + r["opening"], "n_predict": 40, "temperature": 1.0, "top_p": 0.95, "top_k": 0,
+            "seed": spec.seed * 1_000_003 + r["i"], "stop": ["<|im_end|>", "\n"]}, keep, out,
+            spec.server_parallel, "instructions")
+    rows = sorted((r for r in _read_rows(out) if r.get("text")), key=lambda r: r["i"])
+    picked, norms = {"code": [], "prose": []}, set()
+    for r in rows:
+        n = _norm(r["text"])
+        if n in norms or n in held:
+            continue
+        norms.add(n)
+        picked[r["domain"]].append(r["text"])
+    code = picked["code"][:n_code]
+    prose = picked["prose"][: spec.instructions - len(code)]
+    return code + prose
+
+
+def make_answers(spec: SmolDrafterSpec, work: Path, tok, port: int, instructions: list[str]) -> list[dict]:
+    """Stage 2: the target's greedy answer (token ids) to each instruction, rendered with its chat template."""
+    out = work / "answers.jsonl"
+    seen = {r["text"] for r in _read_rows(out)}
+    todo = [{"text": t, "prompt": _chat_prompt(tok, t)} for t in instructions if t not in seen]
+    if todo:
+        _serve_rows(port, todo, lambda r: {"prompt": r["prompt"], "n_predict": spec.answer_tokens, "temperature": 0.0,
+                                           "return_tokens": True},
+                    lambda row, res: {**row, "tokens": res.get("tokens") or []}, out, spec.server_parallel, "answers")
+    by_text = {r["text"]: r for r in _read_rows(out)}
+    return [by_text[t] for t in instructions if t in by_text and by_text[t]["tokens"]]
+
+
+def greedy_answers(tok, port: int, texts: Iterable[str], answer_tokens: int, parallel: int = 4) -> list[dict]:
+    """The target's greedy answers to `texts` (no file): the bench prompts' answers for evaluation."""
+    rows = [{"text": t, "prompt": _chat_prompt(tok, t)} for t in texts]
+    with ThreadPoolExecutor(parallel) as pool:
+        res = list(pool.map(lambda r: _complete(port, {"prompt": r["prompt"], "n_predict": answer_tokens,
+                                                        "temperature": 0.0, "return_tokens": True}), rows))
+    return [{**r, "tokens": x.get("tokens") or []} for r, x in zip(rows, res, strict=True)]
+
+
+# ---------------------------------------------------------------- the drafter
+
+def target_embedding(gguf_path: Path | None = None) -> torch.Tensor:
+    """SmolLM2's token embedding (vocab x 576, float32), dequantised from the deployment's GGUF."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path or smollm2_gguf()))
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32")))
+
+
+class ProjectedDrafter(torch.nn.Module):
+    """A small Llama whose tied embedding is the target's embedding E projected: W = E @ proj."""
+
+    def __init__(self, spec: SmolDrafterSpec, embedding: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("embedding", embedding, persistent=False)
+        self.proj = torch.nn.Parameter(torch.zeros(embedding.shape[1], spec.hidden_size))
+        self.model = LlamaModel(_llama_config(spec, vocab_size=1))  # its 1-row embedding is unused
+
+    def init_projection(self) -> None:
+        """P = E's top right singular vectors: E @ P keeps E's leading principal components."""
+        _, _, vh = torch.linalg.svd(self.embedding, full_matrices=False)
+        with torch.no_grad():
+            self.proj.copy_(vh[: self.proj.shape[1]].T)
+
+    def weight(self) -> torch.Tensor:
+        return self.embedding @ self.proj
+
+    def forward(self, ids: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits at every position, or only at the positions where the mask `where` is true (flattened)."""
+        w = self.weight()
+        h = self.model(inputs_embeds=F.embedding(ids, w), use_cache=False).last_hidden_state
+        if where is not None:
+            h = h[where]
+        return h @ w.T.to(h.dtype)
+
+
+def _llama_config(spec: SmolDrafterSpec, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+                       intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads, max_position_embeddings=2048, rope_theta=ROPE_THETA,
+                       rms_norm_eps=RMS_EPS, tie_word_embeddings=True, attn_implementation="sdpa",
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _encode(tok, rows: list[dict]) -> list[tuple[np.ndarray, int]]:
+    """(prompt + answer token ids, prompt length) per row; the prompt tokenised as the harness does."""
+    out = []
+    for r in rows:
+        p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        out.append((np.asarray(p + list(r["tokens"]), dtype=np.int64), len(p)))
+    return out
+
+
+def _batch(seqs: list[tuple[np.ndarray, int]], idx: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and next-token targets (-100 outside the answers): causal attention makes padding at
+    the end invisible to every real position."""
+    chosen = [seqs[i] for i in idx]
+    n = max(len(s) for s, _ in chosen)
+    ids = torch.zeros(len(chosen), n, dtype=torch.long)
+    tgt = torch.full((len(chosen), n), -100, dtype=torch.long)
+    for b, (s, p) in enumerate(chosen):
+        ids[b, : len(s)] = torch.from_numpy(s)
+        tgt[b, p - 1: len(s) - 1] = torch.from_numpy(s[p:])
+    return ids, tgt
+
+
+def _agreement(model: ProjectedDrafter, seqs: list[tuple[np.ndarray, int]]) -> list[np.ndarray]:
+    """Per sequence, whether the drafter's top-1 equals the target's next answer token (teacher-forced)."""
+    out = []
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(0, len(seqs), 16):
+            ids, tgt = _batch(seqs, range(i, min(len(seqs), i + 16)))
+            where = tgt != -100
+            hit = (model(ids, where).argmax(-1) == tgt[where]).numpy()
+            for n in where.sum(1).tolist():
+                out.append(hit[:n])
+                hit = hit[n:]
+    model.train()
+    return out
+
+
+def chain_tau(agree: list[np.ndarray], k: int) -> float:
+    """Expected tokens per chain-verification step with draft length k, over every answer position: 1 plus the
+    run of consecutive agreements starting there, capped at k (a mismatch ends the draft; drafts that agree
+    are the target's tokens, so teacher forcing gives the drafter's own continuation)."""
+    total, n = 0.0, 0
+    for a in agree:
+        for s in range(len(a)):
+            run = 0
+            while run < k and s + run < len(a) and a[s + run]:
+                run += 1
+            total += 1 + run
+            n += 1
+    return total / max(1, n)
+
+
+def _summary(agree: list[np.ndarray]) -> dict:
+    flat = np.concatenate(agree) if agree else np.zeros(0)
+    return {"positions": int(flat.size), "top1": round(float(flat.mean()) if flat.size else 0.0, 4),
+            **{f"tau_k{k}": round(chain_tau(agree, k), 3) for k in (1, 2, 3, 4)}}
+
+
+def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDrafterSpec | None = None) -> dict:
+    """Run the recipe (resuming whatever `work` holds); write the weights and recipe.json to `out`."""
+    spec = spec or SmolDrafterSpec()
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)))
+    tok = AutoTokenizer.from_pretrained(str(smollm2_hf_dir()), local_files_only=True)
+    bench_rows_file = work / "bench-answers.jsonl"
+    t_data = time.time()
+    server = _server(spec)
+    need_data = not (work / "answers.done").is_file() or not bench_rows_file.is_file()
+    if need_data:
+        server.start()
+    try:
+        if need_data:
+            instr = make_instructions(spec, work, tok, server.port)
+            _progress(f"{len(instr)} instructions")
+            rows = make_answers(spec, work, tok, server.port, instr)
+            (work / "answers.done").write_text(str(len(rows)))
+            held = [json.loads(line)["text"] for f in sorted(INSTRUCTIONS.glob("*.jsonl"))
+                    for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+            bench_rows = greedy_answers(tok, server.port, held, spec.answer_tokens)
+            _atomic_write_text(bench_rows_file, "".join(json.dumps(r) + "\n" for r in bench_rows))
+    finally:
+        server.stop()
+    data_seconds = time.time() - t_data
+    rows = [r for r in _read_rows(work / "answers.jsonl") if r["tokens"]]
+    bench_rows = _read_rows(bench_rows_file)
+    rng = random.Random(spec.seed)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    val = [rows[i] for i in order[: spec.val_rows]]
+    train = [rows[i] for i in order[spec.val_rows:]]
+    train_seqs, val_seqs = _encode(tok, train), _encode(tok, val)
+    _progress(f"{len(train_seqs)} training answers ({sum(len(s) - p for s, p in train_seqs)} answer tokens), "
+              f"{len(val_seqs)} held out")
+
+    model = ProjectedDrafter(spec, target_embedding())
+    model.init_projection()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr,
+                            weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+    ckpt = work / "drafter.ckpt"
+    recipe_key = asdict(spec)
+    step, elapsed, log = (resume_checkpoint(ckpt, model, opt, "smollm2-drafter", spec.steps, recipe_key)
+                          if ckpt.is_file() else (0, 0.0, []))
+    t_last = time.time()
+    while step < spec.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(spec, step)
+        idx = np.random.default_rng([spec.seed, step]).choice(len(train_seqs), spec.batch_size, replace=False)
+        ids, tgt = _batch(train_seqs, idx)
+        where = tgt != -100
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, where)
+        loss = F.cross_entropy(logits.float(), tgt[where])
+        optimizer_step(model, opt, loss)
+        step += 1
+        log.append([step, round(float(loss), 4)])
+        if step % spec.checkpoint_every == 0 or step == spec.steps:
+            elapsed, t_last = tick(elapsed, t_last)
+            save_checkpoint(ckpt, model, opt, step, elapsed, log, recipe_key)
+            recent = [x[1] for x in log[-spec.checkpoint_every:]]
+            _progress(f"step {step}/{spec.steps} loss {sum(recent) / len(recent):.3f} ({elapsed / 60:.1f} min)")
+    elapsed, _ = tick(elapsed, t_last)
+
+    with torch.no_grad():  # evaluate the weights as committed (bf16)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    evaluation = {"held_out": _summary(_agreement(model, val_seqs))}
+    bench = _encode(tok, bench_rows)
+    for domain in ("code", "prose"):
+        sel = [s for s, r in zip(bench, bench_rows, strict=True) if _domain_of(r["text"]) == domain]
+        evaluation[f"bench_{domain}"] = _summary(_agreement(model, sel))
+    save_drafter(model, spec, out, {
+        "spec": asdict(spec), "parameters": int(sum(p.numel() for p in model.parameters())),
+        "train_answers": len(train_seqs), "train_answer_tokens": int(sum(len(s) - p for s, p in train_seqs)),
+        "data_seconds": round(data_seconds, 1), "train_seconds": round(elapsed, 1),
+        "final_loss": round(float(np.mean([x[1] for x in log[-20:]])), 4), "evaluation": evaluation})
+    return json.loads((out / "recipe.json").read_text())
+
+
+def _domain_of(instruction: str) -> str:
+    for f in sorted(INSTRUCTIONS.glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip() and json.loads(line)["text"] == instruction:
+                return f.stem
+    return "other"
+
+
+def save_drafter(model: ProjectedDrafter, spec: SmolDrafterSpec, out: Path, recipe: dict) -> None:
+    """The trainable weights (projection and layers; not the target's embedding) and the recipe, atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+             if k != "model.embed_tokens.weight"}
+    tmp = out / f".{DRAFTER_WEIGHTS}.tmp"
+    save_file(state, str(tmp), metadata={"spec": json.dumps(asdict(spec))})
+    os.replace(tmp, out / DRAFTER_WEIGHTS)
+    _atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=2) + "\n")
+
+
+def load_drafter(asset: Path = DRAFTER_ASSET, embedding: torch.Tensor | None = None) -> ProjectedDrafter:
+    """The committed drafter with the target's embedding (from the deployment's GGUF unless given)."""
+    from safetensors import safe_open
+
+    with safe_open(str(asset / DRAFTER_WEIGHTS), "pt") as f:
+        spec = SmolDrafterSpec(**json.loads(f.metadata()["spec"]))
+    model = ProjectedDrafter(spec, embedding if embedding is not None else target_embedding())
+    state = {k: v.float() for k, v in load_file(str(asset / DRAFTER_WEIGHTS)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "model.embed_tokens.weight"]:
+        raise ModelFetchError(f"{asset / DRAFTER_WEIGHTS} does not match its spec (missing {missing}, unexpected "
+                              f"{unexpected}); retrain with `specpilot train smollm2-drafter`")
+    return model.eval()
+
+
+# ---------------------------------------------------------------- the drafter as a GGUF for llama.cpp
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF's rotate-half Q/K rows to GGML's interleaved rope order (as llama.cpp's converter does)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: ProjectedDrafter, target_gguf: Path, dest: Path) -> None:
+    """The drafter as a llama GGUF (2-D weights Q8_0, norms f32) with the target's tokenizer keys copied."""
+    import gguf
+
+    cfg = model.model.config
+    q8, f32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+    reader = gguf.GGUFReader(str(target_gguf))
+    writer = gguf.GGUFWriter(str(dest), arch="llama", endianess=reader.endianess)
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    writer.add_name("SmolLM2-135M-Instruct drafter (SpecPilot)")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_vocab_size(model.embedding.shape[0])
+    sd = {k: v.detach().float().numpy() for k, v in model.model.state_dict().items()}
+    tensors = [("token_embd.weight", model.weight().detach().float().numpy()),
+               ("output_norm.weight", sd["norm.weight"])]
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]),
+            (f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads)),
+            (f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads)),
+            (f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]),
+            (f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]),
+            (f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]),
+            (f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]),
+            (f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]),
+            (f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]),
+        ]
+    packed = []
+    for name, data in tensors:
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        packed.append((name, gguf.quants.quantize(data, q8), q8) if data.ndim == 2 else (name, data, f32))
+    for name, data, tt in packed:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _name, data, _tt in packed:
+        writer.write_tensor_data(data)
+    writer.close()
