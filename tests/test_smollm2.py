@@ -113,6 +113,7 @@ def test_peers_on_smollm2_run_its_dequantised_gguf_and_the_q4_1_file(tmp_path, m
     monkeypatch.setattr(peers, "require_built", lambda: None)
     monkeypatch.setattr(peers, "smollm2_peer_gguf", lambda outtype: tmp_path / f"m.{outtype}.gguf")
     monkeypatch.setattr(peers, "smollm2_gguf", lambda: tmp_path / "m.q4_1.gguf")
+    monkeypatch.setattr(peers, "has_drafter", lambda: False)  # before a drafter is trained; with one: below
     s = peers.peer_settings(("llama.cpp",), "smollm2", "bfloat16", None, 3, threads=2)
     assert s.target == tmp_path / "m.bf16.gguf" and s.drafter is None
     assert s.other_ar == ((peers.LLAMA_AR_Q4_1, tmp_path / "m.q4_1.gguf", ("--no-repack",)),)
@@ -123,6 +124,13 @@ def test_peers_on_smollm2_run_its_dequantised_gguf_and_the_q4_1_file(tmp_path, m
     assert skipped == [{"name": "llama.cpp-draft-simple", "reason": "needs a draft model; the deployment has none"}]
     with pytest.raises(peers.PeerError, match="demo and smollm2 only"):
         peers.peer_settings(("llama.cpp",), "hybrid-demo", "bfloat16", None, 3, threads=2)
+    # With the distilled drafter committed, draft-simple runs with its GGUF.
+    monkeypatch.setattr(peers, "has_drafter", lambda: True)
+    monkeypatch.setattr(peers, "smollm2_drafter_gguf", lambda: tmp_path / "d.gguf")
+    s = peers.peer_settings(("llama.cpp",), "smollm2", "bfloat16", None, 3, threads=2)
+    servers, skipped = peers._peer_methods(s)
+    assert s.drafter == tmp_path / "d.gguf" and skipped == []
+    assert servers["llama.cpp-draft-simple"].spec.draft_model == tmp_path / "d.gguf"
 
 
 # -- the real model ----------------------------------------------------------------------------------------------

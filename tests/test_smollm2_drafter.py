@@ -186,3 +186,24 @@ def test_llama_server_drafts_with_it_and_its_output_is_ar_s(real):
         got = [sd.generate(p, 48) for p in prompts]
     assert [g.tokens for g in got] == want
     assert sum(g.drafted for g in got) > 0 and sum(g.accepted for g in got) > 0, [g.timings for g in got]
+
+
+def test_the_drafter_as_a_hugging_face_llama_gives_the_projected_drafters_logits(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from decoder.lab.smollm2_drafter import write_hf_dir
+
+    torch.manual_seed(0)
+    emb = torch.randn(128, 96)
+    model = ProjectedDrafter(TINY, emb)
+    model.init_projection()
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (tok_dir / "tokenizer.json").write_text("{}")
+    write_hf_dir(model, tok_dir, tmp_path / "hf")
+    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and hf.config.eos_token_id == 2
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, model.eval()(ids), atol=1e-5)

@@ -117,6 +117,7 @@ EXTRA = "smollm2"  # pyproject.toml's optional extra with gguf and accelerate
 DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "smollm2" / "drafter"
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_GGUF = "SmolLM2-135M-Instruct-drafter.Q8_0.gguf"
+DRAFTER_HF_DIR = "drafter-hf"
 
 
 def _needs(*modules: str) -> None:
@@ -272,16 +273,39 @@ def smollm2_drafter_gguf(models_root: Path | None = None, asset: Path = DRAFTER_
     """The committed drafter materialised as a Q8_0 GGUF beside the target's, its tokenizer keys copied from the
     target's GGUF (llama.cpp checks a draft model's vocabulary against the target's). Written once, atomically;
     rewritten when the committed weights change. Raises ModelFetchError (one line) when it cannot be written."""
+    from_target = smollm2_gguf(models_root)
+
+    def write(model, tmp: Path) -> None:
+        from decoder.lab.smollm2_drafter import write_gguf
+
+        write_gguf(model, from_target, tmp)
+
+    return _materialise_drafter(smollm2_dir(models_root) / DRAFTER_GGUF, asset, from_target, write, is_dir=False)
+
+
+def smollm2_drafter_hf_dir(models_root: Path | None = None, asset: Path = DRAFTER_ASSET) -> Path:
+    """The committed drafter as a Hugging Face directory (Llama, tied embedding = the target's projected, float32,
+    SmolLM2's tokenizer): the draft model of our engine's smollm2 deployment. Written once like the GGUF."""
+    target = smollm2_gguf(models_root)
+    hf = smollm2_hf_dir(models_root)
+
+    def write(model, tmp: Path) -> None:
+        from decoder.lab.smollm2_drafter import write_hf_dir
+
+        write_hf_dir(model, hf, tmp)
+
+    return _materialise_drafter(smollm2_dir(models_root) / DRAFTER_HF_DIR, asset, target, write, is_dir=True)
+
+
+def _materialise_drafter(dest: Path, asset: Path, target: Path, write, *, is_dir: bool) -> Path:
     weights = asset / DRAFTER_WEIGHTS
     if not weights.is_file():
         raise ModelFetchError(f"no SmolLM2 drafter at {weights}; train one with `specpilot train smollm2-drafter`")
-    target = smollm2_gguf(models_root)
     stamp = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
-    dest = smollm2_dir(models_root) / DRAFTER_GGUF
-    mark = dest.with_suffix(".source")
+    mark = dest.parent / f"{dest.name}.source"
 
     def current() -> bool:
-        return dest.is_file() and mark.is_file() and mark.read_text() == stamp
+        return dest.exists() and mark.is_file() and mark.read_text() == stamp
 
     if current():
         return dest
@@ -291,20 +315,23 @@ def smollm2_drafter_gguf(models_root: Path | None = None, asset: Path = DRAFTER_
         if current():
             return dest
         # torch and transformers only now: every other caller of this module stays light.
-        from decoder.lab.smollm2_drafter import load_drafter, target_embedding, write_gguf
+        from decoder.lab.smollm2_drafter import load_drafter, target_embedding
 
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", suffix=".part", dir=dest.parent)
-        os.close(fd)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        out = tmp if is_dir else tmp / dest.name
         try:
-            write_gguf(load_drafter(asset, target_embedding(target)), target, Path(tmp))
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, dest)
+            write(load_drafter(asset, target_embedding(target)), out)
+            for f in (out, *(out.iterdir() if is_dir else ())):
+                os.chmod(f, 0o755 if f.is_dir() else 0o644)
+            if is_dir:
+                shutil.rmtree(dest, ignore_errors=True)
+            os.replace(out, dest)
             mark.write_text(stamp)
         except ModelFetchError:
-            Path(tmp).unlink(missing_ok=True)
             raise
         except Exception as e:  # noqa: BLE001 - gguf, torch and safetensors each raise their own types
-            Path(tmp).unlink(missing_ok=True)
             raise ModelFetchError(f"could not write {dest.name} ({type(e).__name__}: {str(e).strip()[:200]}); "
                                   f"delete {dest} and retry") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -3,7 +3,7 @@
 llama.cpp's `draft-simple` needs a draft model sharing the target's vocabulary, and SmolLM2-135M is the
 smallest of its family. This recipe makes one (each stage resumable; every result written atomically):
 
-1. **Instructions** (self-instruct): the target itself, sampled (temperature 1, top-p 0.95, seeded per row)
+1. **Instructions** (self-instruct): the target itself, sampled (temperature 1, top-k 50, top-p 0.95, seeded per row)
    after its chat template's user header and a steering opening ("Write a Python function that", "Explain",
    ...), writes user instructions; deduplicated, and none equal to an instruction of the held-out bench sets.
 2. **Answers**: the deployment's own engine (llama-server on the Q4_1 GGUF, greedy, the bench's answer length)
@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from decoder.engines.llamacpp import LlamaServer, ServerSettings
@@ -75,7 +76,7 @@ class SmolDrafterSpec:
     """Everything that determines the SmolLM2 drafter (written beside its weights)."""
 
     seed: int = 0
-    instructions: int = 4000
+    instructions: int = 3000
     code_share: float = 0.6
     answer_tokens: int = 128  # the bench's answer length
     val_rows: int = 160
@@ -84,7 +85,7 @@ class SmolDrafterSpec:
     intermediate_size: int = 768
     num_heads: int = 3
     num_kv_heads: int = 1
-    steps: int = 600
+    steps: int = 500
     batch_size: int = 16
     lr: float = 2e-3
     warmup_steps: int = 30
@@ -167,7 +168,7 @@ def _serve_rows(port: int, todo: list[dict], make_body: Callable[[dict], dict],
 
 
 def _server(spec: SmolDrafterSpec) -> LlamaServer:
-    ctx = spec.server_parallel * 512
+    ctx = spec.server_parallel * 320  # a slot holds an instruction prompt and its answer (<= 300 tokens)
     return LlamaServer(smollm2_gguf(), settings=ServerSettings(
         threads=spec.threads, ctx_size=ctx, extra=("--parallel", str(spec.server_parallel), "--no-repack")),
         name="smollm2-data")
@@ -194,7 +195,7 @@ def make_instructions(spec: SmolDrafterSpec, work: Path, tok, port: int) -> list
 
     if todo and len([r for r in _read_rows(out) if r.get("text")]) < spec.instructions:
         _serve_rows(port, todo, lambda r: {
-            "prompt": header + r["opening"], "n_predict": 40, "temperature": 1.0, "top_p": 0.95, "top_k": 0,
+            "prompt": header + r["opening"], "n_predict": 40, "temperature": 1.0, "top_p": 0.95, "top_k": 50,
             "seed": spec.seed * 1_000_003 + r["i"], "stop": ["<|im_end|>", "\n"]}, keep, out,
             spec.server_parallel, "instructions")
     rows = sorted((r for r in _read_rows(out) if r.get("text")), key=lambda r: r["i"])
@@ -347,7 +348,8 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
     bench_rows_file = work / "bench-answers.jsonl"
     t_data = time.time()
     server = _server(spec)
-    need_data = not (work / "answers.done").is_file() or not bench_rows_file.is_file()
+    marker = work / "answers.done"  # holds the instruction count the answers were made for
+    need_data = not (marker.is_file() and marker.read_text() == str(spec.instructions) and bench_rows_file.is_file())
     if need_data:
         server.start()
     try:
@@ -355,11 +357,12 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
             instr = make_instructions(spec, work, tok, server.port)
             _progress(f"{len(instr)} instructions")
             rows = make_answers(spec, work, tok, server.port, instr)
-            (work / "answers.done").write_text(str(len(rows)))
+            _progress(f"{len(rows)} answers")
             held = [json.loads(line)["text"] for f in sorted(INSTRUCTIONS.glob("*.jsonl"))
                     for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
             bench_rows = greedy_answers(tok, server.port, held, spec.answer_tokens)
             _atomic_write_text(bench_rows_file, "".join(json.dumps(r) + "\n" for r in bench_rows))
+            _atomic_write_text(marker, str(spec.instructions))
     finally:
         server.stop()
     data_seconds = time.time() - t_data
@@ -450,6 +453,31 @@ def load_drafter(asset: Path = DRAFTER_ASSET, embedding: torch.Tensor | None = N
         raise ModelFetchError(f"{asset / DRAFTER_WEIGHTS} does not match its spec (missing {missing}, unexpected "
                               f"{unexpected}); retrain with `specpilot train smollm2-drafter`")
     return model.eval()
+
+
+def write_hf_dir(model: ProjectedDrafter, tokenizer_dir: Path, dest: Path) -> None:
+    """The drafter as a Hugging Face Llama directory (float32; embed_tokens = lm_head = E @ P) with the target's
+    tokenizer files: what our engine loads as the smollm2 deployment's draft model."""
+    cfg = _llama_config(SmolDrafterSpec(hidden_size=model.model.config.hidden_size,
+                                        num_layers=model.model.config.num_hidden_layers,
+                                        intermediate_size=model.model.config.intermediate_size,
+                                        num_heads=model.model.config.num_attention_heads,
+                                        num_kv_heads=model.model.config.num_key_value_heads),
+                        vocab_size=model.embedding.shape[0])
+    tcfg = json.loads((tokenizer_dir / "config.json").read_text())
+    cfg.bos_token_id, cfg.eos_token_id = tcfg.get("bos_token_id"), tcfg.get("eos_token_id")
+    hf = LlamaForCausalLM(cfg)
+    state = {f"model.{k}": v for k, v in model.model.state_dict().items() if k != "embed_tokens.weight"}
+    state["model.embed_tokens.weight"] = model.weight().detach()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise ValueError(f"drafter state does not fit a Llama: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    dest.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(dest))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, dest / name)
 
 
 # ---------------------------------------------------------------- the drafter as a GGUF for llama.cpp
