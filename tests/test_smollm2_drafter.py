@@ -14,7 +14,7 @@ import torch
 
 from decoder.contract import data_dir
 from decoder.engines import smollm2
-from decoder.engines.llamacpp_build import is_built
+from decoder.engines.llamacpp_build import engines_root, is_built
 from decoder.lab.smollm2_drafter import (
     ProjectedDrafter,
     SmolDrafterSpec,
@@ -28,6 +28,7 @@ from decoder.lab.smollm2_drafter import (
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_MODELS = data_dir() / "models"  # read before conftest gives each test a private data dir
+ENGINES = engines_root()  # the user's engine cache, likewise; the slow tests only read it
 TINY = SmolDrafterSpec(hidden_size=64, num_layers=1, intermediate_size=64, num_heads=2, num_kv_heads=1)
 
 
@@ -125,8 +126,9 @@ def test_train_smollm2_drafter_bad_values_are_one_line(args, message):
 # -- the committed drafter on the real model ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def real():
+@pytest.fixture
+def real(monkeypatch):
+    monkeypatch.setenv("SPECPILOT_ENGINES_DIR", str(ENGINES))
     if not smollm2.has_drafter():
         pytest.skip("no SmolLM2 drafter committed (specpilot train smollm2-drafter)")
     if not is_built():

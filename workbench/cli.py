@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, help="drafter: sequences per step (default 16)")
     t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
     t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1); smollm2-drafter: (default 2)")
-    t.add_argument("--instructions", type=int, help="smollm2-drafter: instructions to answer (default 3000)")
+    t.add_argument("--instructions", type=int, help="smollm2-drafter: instructions to answer (default 2400)")
     t.add_argument("--heads", type=int, help="mtp: number of heads (default 6)")
     t.add_argument("--lr", type=float, help="drafter: peak learning rate")
     t.add_argument("--target-layers", help="drafter: target layers to read, e.g. 1,3,5 (default: spread, ending last)")

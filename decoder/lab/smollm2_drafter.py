@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +76,7 @@ class SmolDrafterSpec:
     """Everything that determines the SmolLM2 drafter (written beside its weights)."""
 
     seed: int = 0
-    instructions: int = 3000
+    instructions: int = 2400
     code_share: float = 0.6
     answer_tokens: int = 128  # the bench's answer length
     val_rows: int = 160
@@ -92,6 +92,8 @@ class SmolDrafterSpec:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.05
     checkpoint_every: int = 20
+    stage2_steps: int = 700  # a second schedule from stage 1's weights (0: none)
+    stage2_lr: float = 1.5e-3
     server_parallel: int = 16
     threads: int = 2
 
@@ -365,7 +367,9 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
             _atomic_write_text(marker, str(spec.instructions))
     finally:
         server.stop()
-    data_seconds = time.time() - t_data
+    if need_data:  # what making the data took, kept for a resumed run's recipe.json
+        _atomic_write_text(work / "data.seconds", f"{time.time() - t_data:.1f}")
+    data_seconds = float((work / "data.seconds").read_text()) if (work / "data.seconds").is_file() else 0.0
     rows = [r for r in _read_rows(work / "answers.jsonl") if r["tokens"]]
     bench_rows = _read_rows(bench_rows_file)
     rng = random.Random(spec.seed)
@@ -379,31 +383,13 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
 
     model = ProjectedDrafter(spec, target_embedding())
     model.init_projection()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr,
-                            weight_decay=spec.weight_decay, betas=(0.9, 0.95))
-    ckpt = work / "drafter.ckpt"
-    recipe_key = asdict(spec)
-    step, elapsed, log = (resume_checkpoint(ckpt, model, opt, "smollm2-drafter", spec.steps, recipe_key)
-                          if ckpt.is_file() else (0, 0.0, []))
-    t_last = time.time()
-    while step < spec.steps:
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(spec, step)
-        idx = np.random.default_rng([spec.seed, step]).choice(len(train_seqs), spec.batch_size, replace=False)
-        ids, tgt = _batch(train_seqs, idx)
-        where = tgt != -100
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(ids, where)
-        loss = F.cross_entropy(logits.float(), tgt[where])
-        optimizer_step(model, opt, loss)
-        step += 1
-        log.append([step, round(float(loss), 4)])
-        if step % spec.checkpoint_every == 0 or step == spec.steps:
-            elapsed, t_last = tick(elapsed, t_last)
-            save_checkpoint(ckpt, model, opt, step, elapsed, log, recipe_key)
-            recent = [x[1] for x in log[-spec.checkpoint_every:]]
-            _progress(f"step {step}/{spec.steps} loss {sum(recent) / len(recent):.3f} ({elapsed / 60:.1f} min)")
-    elapsed, _ = tick(elapsed, t_last)
+    # Stage 1 from the initial weights; stage 2 a second warm-up + cosine schedule from stage 1's weights.
+    key1 = {k: v for k, v in asdict(spec).items() if not k.startswith("stage2_")}
+    elapsed, log = _run_stage(model, train_seqs, spec, work / "drafter.ckpt", key1, "stage 1", 0)
+    if spec.stage2_steps:
+        stage2 = replace(spec, steps=spec.stage2_steps, lr=spec.stage2_lr, warmup_steps=20)
+        e2, log2 = _run_stage(model, train_seqs, stage2, work / "drafter-stage2.ckpt", asdict(spec), "stage 2", 1)
+        elapsed, log = elapsed + e2, log + log2
 
     with torch.no_grad():  # evaluate the weights as committed (bf16)
         for p in model.parameters():
@@ -421,6 +407,37 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
     return json.loads((out / "recipe.json").read_text())
 
 
+def _run_stage(model: ProjectedDrafter, train_seqs: list[tuple[np.ndarray, int]], spec: SmolDrafterSpec,
+               ckpt: Path, key: dict, label: str, tag: int) -> tuple[float, list]:
+    """One warm-up + cosine schedule of `spec.steps` AdamW steps, resumable from `ckpt` (a checkpoint of another
+    recipe is refused); the batch at step s is a pure function of (seed, tag, s). (seconds, loss log)"""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr,
+                            weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+    step, elapsed, log = (resume_checkpoint(ckpt, model, opt, f"smollm2-drafter {label}", spec.steps, key)
+                          if ckpt.is_file() else (0, 0.0, []))
+    t_last = time.time()
+    while step < spec.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(spec, step)
+        rng = np.random.default_rng([spec.seed, tag, step] if tag else [spec.seed, step])
+        ids, tgt = _batch(train_seqs, rng.choice(len(train_seqs), spec.batch_size, replace=False))
+        where = tgt != -100
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, where)
+        loss = F.cross_entropy(logits.float(), tgt[where])
+        optimizer_step(model, opt, loss)
+        step += 1
+        log.append([step, round(float(loss.detach()), 4)])
+        if step % spec.checkpoint_every == 0 or step == spec.steps:
+            elapsed, t_last = tick(elapsed, t_last)
+            save_checkpoint(ckpt, model, opt, step, elapsed, log, key)
+            recent = [x[1] for x in log[-spec.checkpoint_every:]]
+            _progress(f"{label}: step {step}/{spec.steps} loss {sum(recent) / len(recent):.3f} "
+                      f"({elapsed / 60:.1f} min)")
+    elapsed, _ = tick(elapsed, t_last)
+    return elapsed, log
+
+
 def _domain_of(instruction: str) -> str:
     for f in sorted(INSTRUCTIONS.glob("*.jsonl")):
         for line in f.read_text(encoding="utf-8").splitlines():
@@ -436,6 +453,7 @@ def save_drafter(model: ProjectedDrafter, spec: SmolDrafterSpec, out: Path, reci
              if k != "model.embed_tokens.weight"}
     tmp = out / f".{DRAFTER_WEIGHTS}.tmp"
     save_file(state, str(tmp), metadata={"spec": json.dumps(asdict(spec))})
+    os.chmod(tmp, 0o644)
     os.replace(tmp, out / DRAFTER_WEIGHTS)
     _atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=2) + "\n")
 
