@@ -26,6 +26,14 @@ from workbench.loop import AR_BRANCH, Loop, LoopOptions
 from workbench.workspace import NAME_OK, Workspace, WorkspaceError
 
 
+def _branch_at(ws: Workspace, name: str) -> str | None:
+    """The commit of branch `name`, None when there is no such branch."""
+    try:
+        return ws.rev(f"refs/heads/{name}")
+    except WorkspaceError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workspace", required=True, type=Path)
@@ -64,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
             commits[name] = ws.rev(rev)
         except Exception:  # noqa: BLE001 - any git failure is this one bad value
             print(f"error: --commit {item}: not NAME=REV with a commit of {args.workspace}", file=sys.stderr)
+            return 2
+        # A branch of that name is reused only when this script made it at the same commit before.
+        at = _branch_at(ws, name)
+        if at is not None and (ws.find_branch(name) is None or at != commits[name]):
+            print(f"error: --commit {item}: branch {name!r} already exists in {args.workspace}; pick another NAME",
+                  file=sys.stderr)
             return 2
         sets.append((name, {}))
     loop = Loop(ws, LoopOptions(rounds=0, agents=1), progress=lambda m: print(m, file=sys.stderr))
