@@ -164,6 +164,20 @@ def test_trained_demo_drafters_are_lossless_and_accept_drafts(kind, target, lean
         assert g.stats.tau > 1.05, (kind, g.stats.tau)
 
 
+def _same_or_near_tie(target, prompt: list[int], got: list[int], ref: list[int], what: str) -> None:
+    """Token-identical to the AR reference, or diverging first where the reference's top-2 logits (the bf16
+    target on the reference prefix) are a near tie: the lossless rule, not a decoding error (seen on an AMD
+    EPYC host, whose bf16 matmuls round differently from the Intel hosts this test was written on)."""
+    if got == ref:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
+    assert i < min(len(got), len(ref)), (what, "lengths differ", len(got), len(ref))
+    with torch.no_grad():
+        top = torch.topk(target(torch.tensor([prompt + ref[:i]])).logits[0, -1].float(), 2).values
+    margin = float(top[0] - top[1])
+    assert margin < NEAR_TIE, (what, f"diverges at {i} where the reference's margin is {margin:.3f}")
+
+
 def test_generate_dispatches_block_mtp_and_routed(target, prompts, references, untrained, tmp_path):
     block, mtp = untrained
     save_feature_drafter(block, tmp_path / "block")
@@ -177,7 +191,7 @@ def test_generate_dispatches_block_mtp_and_routed(target, prompts, references, u
         cfg = DecodeConfig(drafter=drafter, lean_forward=True, cuda_graphs=graphs, draft_len=5, max_new_tokens=40,
                            stop_at_eos=False)
         g = generate(cfg, target, prompts[0], heads=heads)
-        assert g.tokens == references[0], drafter
+        _same_or_near_tie(target, prompts[0], g.tokens, references[0], drafter)
         if drafter == "routed":
             assert dict(g.stats.routes) == {"prose:mtp": 1}
     with pytest.raises(ValueError, match="FeatureHeads"):

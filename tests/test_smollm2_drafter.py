@@ -15,16 +15,8 @@ import torch
 from decoder.contract import data_dir
 from decoder.engines import smollm2
 from decoder.engines.llamacpp_build import engines_root, is_built
-from decoder.lab.smollm2_drafter import (
-    ProjectedDrafter,
-    SmolDrafterSpec,
-    _batch,
-    _permute,
-    chain_tau,
-    load_drafter,
-    save_drafter,
-    target_embedding,
-)
+from decoder.lab.projected_drafter import ProjectedDrafter, SmolDrafterSpec, _permute, write_hf_dir
+from decoder.lab.smollm2_drafter import _batch, chain_tau, load_drafter, save_drafter, target_embedding
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_MODELS = data_dir() / "models"  # read before conftest gives each test a private data dir
@@ -192,8 +184,6 @@ def test_llama_server_drafts_with_it_and_its_output_is_ar_s(real):
 
 def test_the_drafter_as_a_hugging_face_llama_gives_the_projected_drafters_logits(tmp_path):
     from transformers import LlamaForCausalLM
-
-    from decoder.lab.smollm2_drafter import write_hf_dir
 
     torch.manual_seed(0)
     emb = torch.randn(128, 96)

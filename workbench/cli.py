@@ -18,6 +18,7 @@ from pathlib import Path
 from costmodel.cli import add_parser as add_costmodel_parsers
 from decoder.config import MAX_NEW_TOKENS, ConfigError, DecodeConfig
 from decoder.engines import EngineError, EngineNotBuilt
+from decoder.engines.smollm2 import DRAFTER_ASSET, ModelFetchError
 from decoder.lab.peers import PeerError, PeerGroup, peer_settings
 from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int, quiet_transformers, write_atomic
 from workbench.demo_cli import add_parser as add_demo_parser
@@ -240,8 +241,6 @@ def _cmd_train_hybrid(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
-    from decoder.engines import EngineError
-    from decoder.engines.smollm2 import DRAFTER_ASSET, ModelFetchError
     from decoder.lab.smollm2_drafter import SmolDrafterSpec, train_smollm2_drafter
 
     spec = SmolDrafterSpec(seed=args.seed)

@@ -276,7 +276,7 @@ def smollm2_drafter_gguf(models_root: Path | None = None, asset: Path = DRAFTER_
     from_target = smollm2_gguf(models_root)
 
     def write(model, tmp: Path) -> None:
-        from decoder.lab.smollm2_drafter import write_gguf
+        from decoder.lab.projected_drafter import write_gguf
 
         write_gguf(model, from_target, tmp)
 
@@ -290,7 +290,7 @@ def smollm2_drafter_hf_dir(models_root: Path | None = None, asset: Path = DRAFTE
     hf = smollm2_hf_dir(models_root)
 
     def write(model, tmp: Path) -> None:
-        from decoder.lab.smollm2_drafter import write_hf_dir
+        from decoder.lab.projected_drafter import write_hf_dir
 
         write_hf_dir(model, hf, tmp)
 
@@ -315,12 +315,12 @@ def _materialise_drafter(dest: Path, asset: Path, target: Path, write, *, is_dir
         if current():
             return dest
         # torch and transformers only now: every other caller of this module stays light.
-        from decoder.lab.smollm2_drafter import load_drafter, target_embedding
+        from decoder.lab.projected_drafter import load_weights, target_embedding
 
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         out = tmp if is_dir else tmp / dest.name
         try:
-            write(load_drafter(asset, target_embedding(target)), out)
+            write(load_weights(weights, target_embedding(target)), out)
             for f in (out, *(out.iterdir() if is_dir else ())):
                 os.chmod(f, 0o755 if f.is_dir() else 0o644)
             if is_dir:
