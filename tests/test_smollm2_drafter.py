@@ -199,3 +199,11 @@ def test_the_drafter_as_a_hugging_face_llama_gives_the_projected_drafters_logits
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, model.eval()(ids), atol=1e-5)
+
+
+def test_train_smollm2_drafter_into_a_path_that_cannot_be_a_folder_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "train", "smollm2-drafter", "--work-dir",
+                        str(tmp_path / "file" / "w")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Not a directory" in r.stderr, r.stderr
+    assert "--work-dir" in r.stderr and not (tmp_path / "file" / "w").exists()

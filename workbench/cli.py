@@ -241,24 +241,26 @@ def _cmd_train_hybrid(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
-    from decoder.lab.smollm2_drafter import SmolDrafterSpec, train_smollm2_drafter
-
-    spec = SmolDrafterSpec(seed=args.seed)
+    given = {}
     for key in ("steps", "batch_size", "lr", "instructions"):
         v = getattr(args, key)
         if v is not None:
             if v <= 0:
                 return fail(f"train smollm2-drafter: --{key.replace('_', '-')} {v} must be positive")
-            setattr(spec, key, v)
+            given[key] = v
     if args.num_layers is not None:
         if not 1 <= args.num_layers <= 8:
             return fail(f"train smollm2-drafter: --num-layers {args.num_layers}: use 1 to 8")
-        spec.num_layers = args.num_layers
+        given["num_layers"] = args.num_layers
+    from decoder.lab.smollm2_drafter import SmolDrafterSpec, train_smollm2_drafter  # torch: after the checks
+
+    spec = SmolDrafterSpec(seed=args.seed, **given)
     work = Path(args.work_dir) if args.work_dir else Path("build/train-smollm2-drafter")
     out = Path(args.out) if args.out else DRAFTER_ASSET
-    if args.force:
-        (work / "drafter.ckpt").unlink(missing_ok=True)
     try:
+        if args.force:  # retrain; the data (instructions, answers) is kept
+            for ckpt in ("drafter.ckpt", "drafter-stage2.ckpt"):
+                (work / ckpt).unlink(missing_ok=True)
         work.mkdir(parents=True, exist_ok=True)
         recipe = train_smollm2_drafter(work, out, spec)
     except (ModelFetchError, EngineError) as e:
