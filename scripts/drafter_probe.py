@@ -2,7 +2,10 @@
 tokens and tokens per step for llama.cpp AR, the drafter alone, and draft-simple at several draft lengths and
 p_min, on code prompts 10-15 (64 tokens, one request at a time, each server warmed on an untimed text).
 
-    python scripts/drafter_probe.py [--threads 1]
+    python scripts/drafter_probe.py [--threads 1] [--server PATH] [--settings 1:0,3:0.5]
+
+`--server`: another build's llama-server (e.g. one with a kernel patch, `workbench.engine_source.engine_tool`);
+`--settings`: the draft-simple (n_max:p_min) pairs to run.
 
 A probe, not the loop's paired benchmark: one pass, no forcing (tests/test_smollm2_drafter.py checks that
 draft-simple's output is AR's).
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -24,7 +28,16 @@ SETTINGS = ((1, 0.0), (2, 0.0), (3, 0.0), (3, 0.5), (4, 0.3))  # (draft n_max, p
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--server", type=Path, default=None, help="the llama-server binary (default: make llama-cpp's)")
+    p.add_argument("--settings", default=",".join(f"{n}:{m}" for n, m in SETTINGS),
+                   help="draft-simple n_max:p_min pairs, comma-separated")
     args = p.parse_args(argv)
+    try:
+        settings_list = [(int(a), float(b)) for a, b in (x.split(":") for x in args.settings.split(",") if x)]
+    except ValueError:
+        p.error(f"--settings {args.settings}: write n_max:p_min pairs, e.g. 1:0,3:0.5")
+    if args.server is not None and not args.server.is_file():
+        p.error(f"--server {args.server}: no such file")
     tok = AutoTokenizer.from_pretrained(str(smollm2.smollm2_hf_dir()))
     rows = [json.loads(line) for line in (smollm2.INSTRUCTIONS / "code.jsonl").read_text().splitlines()][10:16]
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": r["text"]}], tokenize=False,
@@ -34,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(threads=args.threads, extra=("--no-repack",))
 
     def run(name: str, model, spec: SpecSettings) -> None:
-        with LlamaServer(model, spec, settings, name=name) as s:
+        with LlamaServer(model, spec, settings, name=name, server=args.server) as s:
             s.generate(prompts[0][::-1][:40], 16)  # warm-up on a text no timed prompt holds
             seconds = n = drafted = accepted = 0
             for ids in prompts:
@@ -46,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run("ar", target, SpecSettings())
     run("drafter-as-model", drafter, SpecSettings())
-    for n_max, p_min in SETTINGS:
+    for n_max, p_min in settings_list:
         run(f"ds n{n_max} p{p_min}", target,
             SpecSettings("draft-simple", drafter, n_max, extra=("--spec-draft-p-min", str(p_min))))
     return 0

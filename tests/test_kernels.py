@@ -319,6 +319,33 @@ def test_the_kernel_library_and_what_a_patch_adds():
     added = _added_lines(k.text())
     assert list(added) == ["ggml/src/ggml-cpu/ggml-cpu.c"]
     assert any("ggml_q4_1_cols_rows(src0" in line for line in added["ggml/src/ggml-cpu/ggml-cpu.c"])
+    q8 = lib["ggml-q8_0-cols"]  # the tied LM head's type: a second kernel the tuner stacks on the first
+    assert q8.weight_types == ("q8_0",) and {"compute", "weights"} == set(q8.families)
+    assert any("ggml_q8_0_cols_rows(src0" in line for line in _added_lines(q8.text())["ggml/src/ggml-cpu/ggml-cpu.c"])
+    assert list(lib)[:2] == ["ggml-q4_1-cols", "ggml-q8_0-cols"]  # the order the tuner stacks them in
+
+
+def test_stacked_kernels_are_judged_against_the_build_before_them_and_kept_as_one_evidence(tmp_path):
+    from types import SimpleNamespace
+
+    from workbench.agents.kernel import _evidence, _gain_over, library
+
+    first = {"stock_forward_ms": {"1": 14.0, "4": 40.0}, "candidate_forward_ms": {"1": 12.0, "4": 22.0}}
+    second = {"stock_forward_ms": {"1": 14.0, "4": 40.0}, "candidate_forward_ms": {"1": 10.0, "4": 16.0}}
+    assert _gain_over(first, None) == pytest.approx({"1": 14 / 12, "4": 40 / 22})  # the first: over stock
+    assert _gain_over(second, first) == pytest.approx({"1": 1.2, "4": 22 / 16})  # the next: over the first
+    lib = {k.name: k for k in library()}
+    ws = SimpleNamespace(state=tmp_path)  # kernel_shapes reads the loop's stock profile from the state folder
+    (tmp_path / "kernels.json").write_text(json.dumps({"profile": {"kernels": [
+        {"type": "q4_1", "k": 576, "n": 1536, "count": 60}, {"type": "q8_0", "k": 576, "n": 49152, "count": 1}]}}))
+    ev = _evidence(ws, [(lib["ggml-q4_1-cols"], {"reason": "r1", "max_rel_error": 1e-5, "micro": first}),
+                        (lib["ggml-q8_0-cols"], {"reason": "r2", "max_rel_error": 2e-5, "micro": second})])
+    assert ev["name"] == "ggml-q4_1-cols+ggml-q8_0-cols" and ev["weight_types"] == ["q4_1", "q8_0"]
+    assert ev["shapes"] == [["q4_1", 576, 1536, 60], ["q8_0", 576, 49152, 1]]
+    assert ev["kernel_test"] == "r2" and ev["micro"] == second  # the last build carries every kept patch
+    assert [k["name"] for k in ev["kernels"]] == ["ggml-q4_1-cols", "ggml-q8_0-cols"]
+    one = _evidence(ws, [(lib["ggml-q8_0-cols"], {"reason": "r2", "micro": second})])
+    assert one["name"] == "ggml-q8_0-cols" and "kernels" not in one and one["shapes"] == [["q8_0", 576, 49152, 1]]
 
 
 def test_a_family_with_a_known_kernel_gets_a_tuner_even_with_nothing_to_turn_in_the_config():
@@ -356,7 +383,7 @@ def test_the_tuner_applies_a_known_kernel_for_the_weights_gap_and_not_twice(tmp_
 
     ws = _kernel_ws(tmp_path_factory)
     try:
-        assert [k.name for k in applicable(ws, ws.stock_commit, "weights")] == ["ggml-q4_1-cols"]
+        assert [k.name for k in applicable(ws, ws.stock_commit, "weights")] == ["ggml-q4_1-cols", "ggml-q8_0-cols"]
         assert applicable(ws, ws.stock_commit, "drafting") == []
         b = ws.create_branch("r1-weights-tuner")
         logged = []
@@ -372,7 +399,10 @@ def test_the_tuner_applies_a_known_kernel_for_the_weights_gap_and_not_twice(tmp_
         if "+" in res.mechanism:
             assert res.details["config"]["spec_type"] != "none"
         ev = res.details["kernel_evidence"]  # what the memory keeps for the kernel to transfer
-        assert ev["weight_types"] == ["q4_1"] and "avx512_vnni" in ev["cpu_flags"] and ev["max_rel_error"] < 1e-4
+        # SmolLM2's Q4_1 layers and its Q8_0 tied LM head: both kernels pass and gain, stacked into one change
+        assert res.mechanism.startswith("ggml-q4_1-cols+ggml-q8_0-cols"), res.mechanism
+        assert ev["weight_types"] == ["q4_1", "q8_0"] and "avx512_vnni" in ev["cpu_flags"]
+        assert ev["max_rel_error"] < 1e-4
         head = ws.head("r1-weights-tuner")
         assert applicable(ws, head, "weights") == []  # the base that carries it is not offered it again
     finally:

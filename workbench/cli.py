@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -252,6 +253,10 @@ def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
         if not 1 <= args.num_layers <= 8:
             return fail(f"train smollm2-drafter: --num-layers {args.num_layers}: use 1 to 8")
         given["num_layers"] = args.num_layers
+    server = Path(args.engine_server) if args.engine_server else None
+    if server is not None and not (server.is_file() and os.access(server, os.X_OK)):
+        return fail(f"train smollm2-drafter: --engine-server {server}: not an executable file; give a llama-server "
+                    "binary (or leave it out for make llama-cpp's)")
     from decoder.lab.smollm2_drafter import SmolDrafterSpec, train_smollm2_drafter  # torch: after the checks
 
     spec = SmolDrafterSpec(seed=args.seed, **given)
@@ -262,7 +267,7 @@ def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
             for ckpt in ("drafter.ckpt", "drafter-stage2.ckpt"):
                 (work / ckpt).unlink(missing_ok=True)
         work.mkdir(parents=True, exist_ok=True)
-        recipe = train_smollm2_drafter(work, out, spec)
+        recipe = train_smollm2_drafter(work, out, spec, server)
     except (ModelFetchError, EngineError) as e:
         return fail(f"train smollm2-drafter: {e}")
     except OSError as e:
@@ -401,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
     t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1); smollm2-drafter: (default 2)")
     t.add_argument("--instructions", type=int, help="smollm2-drafter: instructions to answer (default 2400)")
+    t.add_argument("--engine-server", metavar="PATH",
+                   help="smollm2-drafter: the llama-server binary that makes the data (default: make llama-cpp's; "
+                        "e.g. a workspace's build with a kernel patch)")
     t.add_argument("--heads", type=int, help="mtp: number of heads (default 6)")
     t.add_argument("--lr", type=float, help="drafter: peak learning rate")
     t.add_argument("--target-layers", help="drafter: target layers to read, e.g. 1,3,5 (default: spread, ending last)")

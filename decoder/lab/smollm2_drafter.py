@@ -138,11 +138,11 @@ def _serve_rows(port: int, todo: list[dict], make_body: Callable[[dict], dict],
                 _progress(f"{label}: {done}/{len(todo)} ({done / max(1e-9, time.time() - t0):.1f}/s)")
 
 
-def _server(spec: SmolDrafterSpec) -> LlamaServer:
+def _server(spec: SmolDrafterSpec, binary: Path | None = None) -> LlamaServer:
     ctx = spec.server_parallel * 320  # a slot holds an instruction prompt and its answer (<= 300 tokens)
     return LlamaServer(smollm2_gguf(), settings=ServerSettings(
         threads=spec.threads, ctx_size=ctx, extra=("--parallel", str(spec.server_parallel), "--no-repack")),
-        name="smollm2-data")
+        name="smollm2-data", server=binary)
 
 
 def make_instructions(spec: SmolDrafterSpec, work: Path, tok, port: int) -> list[str]:
@@ -265,8 +265,12 @@ def _summary(agree: list[np.ndarray]) -> dict:
             **{f"tau_k{k}": round(chain_tau(agree, k), 3) for k in (1, 2, 3, 4)}}
 
 
-def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDrafterSpec | None = None) -> dict:
-    """Run the recipe (resuming whatever `work` holds); write the weights and recipe.json to `out`."""
+def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDrafterSpec | None = None,
+                          server: Path | None = None) -> dict:
+    """Run the recipe (resuming whatever `work` holds); write the weights and recipe.json to `out`. `server`: the
+    llama-server binary that makes the data (default `make llama-cpp`'s), e.g. a build with a kernel patch that
+    decodes the data stage's 16 slots faster; its greedy answers may differ from stock's at near ties only
+    (the kernel test and forcing hold a kernel to that)."""
     spec = spec or SmolDrafterSpec()
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
@@ -274,7 +278,7 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
     tok = AutoTokenizer.from_pretrained(str(smollm2_hf_dir()), local_files_only=True)
     bench_rows_file = work / "bench-answers.jsonl"
     t_data = time.time()
-    server = _server(spec)
+    server = _server(spec, server)
     marker = work / "answers.done"  # holds the instruction count the answers were made for
     need_data = not (marker.is_file() and marker.read_text() == str(spec.instructions) and bench_rows_file.is_file())
     if need_data:

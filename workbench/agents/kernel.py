@@ -6,10 +6,10 @@ address, the weight types they change and the CPU flags they need. For a directi
 addresses, on a machine with its flags, and a base that does not carry it yet, the tuner applies it to its
 worktree, commits, and runs the kernel test (`workbench/kernel_check.py`: rebuilt in the sandbox, outputs on
 the deployment's real weights against stock's) with its micro-benchmark. A patch that fails the test is
-reverted; one whose micro-benchmark shows no gain at width 1 or at the verify width (a model without the
-weight type it changes) is reverted too; the first that passes both is the agent's change, and the cascade
-then measures it end to end like any other. The micro-benchmark is the candidate build's own account: it
-only decides what the agent submits, never a verdict.
+reverted; one whose micro-benchmark shows no gain at width 1 or at the verify width over the build before
+it (a model without the weight type it changes) is reverted too; those that pass both stack, in the library's
+order, into the agent's change, and the cascade then measures it end to end like any other. The
+micro-benchmark is the candidate build's own account: it only decides what the agent submits, never a verdict.
 """
 
 from __future__ import annotations
@@ -122,14 +122,40 @@ def _predicted_gain(micro: dict) -> dict[str, float]:
     return {w: stock[w] / mine[w] for w in stock if w in mine and mine[w] > 0}
 
 
+def _gain_over(micro: dict, before: dict | None) -> dict[str, float]:
+    """Per width, the forward of matmuls of `before`'s build (stock's when None) over the candidate's."""
+    if before is None:
+        return _predicted_gain(micro)
+    prev, mine = before.get("candidate_forward_ms", {}), micro.get("candidate_forward_ms", {})
+    return {w: prev[w] / mine[w] for w in prev if w in mine and mine[w] > 0}
+
+
+def _evidence(ws, kept: list[tuple[KernelPatch, dict]]) -> dict:
+    """What the memory keeps so the kernels transfer to deployments that share their weight types and shapes on
+    the same kind of CPU: the shapes are the model's weight groups the patches' types cover. The kernel test and
+    micro-benchmark are the last build's, which carries every kept patch."""
+    last = kept[-1][1]
+    one = [{"name": k.name, "weight_types": list(k.weight_types), "cpu_flags": list(k.cpu_flags),
+            "shapes": kernel_shapes(ws, k), "kernel_test": kc["reason"], "max_rel_error": kc.get("max_rel_error"),
+            "micro": kc.get("micro")} for k, kc in kept]
+    return {"name": "+".join(k.name for k, _ in kept),
+            "weight_types": sorted({t for k, _ in kept for t in k.weight_types}),
+            "cpu_flags": sorted({f for k, _ in kept for f in k.cpu_flags}),
+            "shapes": [s for e in one for s in e["shapes"]], "kernel_test": last["reason"],
+            "max_rel_error": last.get("max_rel_error"), "micro": last.get("micro"), "cpu": cpu_model(),
+            **({"kernels": one} if len(one) > 1 else {})}
+
+
 def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch],
                   then: Callable[[], AgentResult | None] | None = None) -> AgentResult:
-    """Try `kernels` in order on the agent's branch; the first that passes the kernel test and shows a gain
-    stays committed. `then`: a search run next on the branch (its system now the rebuilt engine), e.g. the
-    drafting tuner when the base does not speculate, since a kernel for wide forwards has nothing to speed up
-    there; what it commits joins the kernel in one change."""
+    """Try `kernels` in order on the agent's branch, each on top of those kept before it: one that passes the
+    kernel test and shows a gain over the build before it stays committed (kernels for different weight types,
+    e.g. Q4_1 layers and a Q8_0 LM head, stack into one change). `then`: a search run next on the branch (its
+    system now the rebuilt engine), e.g. the drafting tuner when the base does not speculate, since a kernel for
+    wide forwards has nothing to speed up there; what it commits joins the kernels in one change."""
     g = ws.worktree_git(ctx.branch)
-    tried = []
+    tried: list[str] = []
+    kept: list[tuple[KernelPatch, dict]] = []
     for k in kernels:
         if ctx.stop.is_set():
             break
@@ -146,28 +172,31 @@ def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch],
         except SystemCrash as e:
             kc = {"ok": False, "reason": f"{e.kind}: {e.reason}"}
         gain = _predicted_gain(kc.get("micro", {}))
-        ctx.log("tuner.kernel", f"{k.name}: {kc['reason']}", {"kernel": k.name, "check": kc, "gain": gain})
-        best = max((gain.get(w, 0.0) for w in ("1", "4")), default=0.0)
-        if kc["ok"] and best >= MIN_PREDICTED_GAIN:
-            where = ", ".join(f"w{w} {v:.2f}x" for w, v in gain.items())
-            # What the memory keeps so the kernel transfers to deployments that share its weight types and shapes
-            # on the same kind of CPU: the shapes are the model's weight groups the patch's types cover.
-            evidence = {"name": k.name, "weight_types": list(k.weight_types), "cpu_flags": list(k.cpu_flags),
-                        "shapes": kernel_shapes(ws, k), "kernel_test": kc["reason"],
-                        "max_rel_error": kc.get("max_rel_error"), "micro": kc.get("micro"),
-                        "cpu": cpu_model()}
-            message = (f"kernel {k.name}: {kc['reason']}; the candidate's micro-benchmark of the forward's "
-                       f"matmuls: {where} of stock's")
-            details = {"kernel": k.name, "kernel_check": kc, "kernel_evidence": evidence}
-            follow = then() if then is not None and not ctx.stop.is_set() else None
-            if follow is not None and follow.committed:
-                return AgentResult(True, f"{message}; then on the rebuilt engine: {follow.message}",
-                                   mechanism=f"{k.name}+{follow.mechanism}", summary=f"{k.summary}; {follow.summary}",
-                                   details={**details, "config": follow.details.get("config"),
-                                            "then": follow.message})
-            if follow is not None:
-                message += f"; then on the rebuilt engine: {follow.message}"
-            return AgentResult(True, message, mechanism=k.name, summary=k.summary, details=details)
+        step = _gain_over(kc.get("micro", {}), kept[-1][1].get("micro") if kept else None)
+        ctx.log("tuner.kernel", f"{k.name}: {kc['reason']}", {"kernel": k.name, "check": kc, "gain": gain,
+                                                               "gain_over_previous": step})
+        if kc["ok"] and max((step.get(w, 0.0) for w in ("1", "4")), default=0.0) >= MIN_PREDICTED_GAIN:
+            kept.append((k, kc))
+            continue
         g.reset("-q", "--hard", "HEAD~1")
         tried.append(f"{k.name}: {kc['reason'] if not kc['ok'] else 'no gain in its micro-benchmark'}")
-    return AgentResult(False, "no kernel patch kept: " + "; ".join(tried) if tried else "stopped")
+    if not kept:
+        return AgentResult(False, "no kernel patch kept: " + "; ".join(tried) if tried else "stopped")
+    last = kept[-1][1]
+    gain = _predicted_gain(last.get("micro", {}))
+    where = ", ".join(f"w{w} {v:.2f}x" for w, v in gain.items())
+    name = "+".join(k.name for k, _ in kept)
+    summary = "; ".join(k.summary for k, _ in kept)
+    message = (f"kernel {name}: {last['reason']}; the candidate's micro-benchmark of the forward's "
+               f"matmuls: {where} of stock's")
+    if tried:
+        message += f" (not kept: {'; '.join(tried)})"
+    details = {"kernel": name, "kernel_check": last, "kernel_evidence": _evidence(ws, kept)}
+    follow = then() if then is not None and not ctx.stop.is_set() else None
+    if follow is not None and follow.committed:
+        return AgentResult(True, f"{message}; then on the rebuilt engine: {follow.message}",
+                           mechanism=f"{name}+{follow.mechanism}", summary=f"{summary}; {follow.summary}",
+                           details={**details, "config": follow.details.get("config"), "then": follow.message})
+    if follow is not None:
+        message += f"; then on the rebuilt engine: {follow.message}"
+    return AgentResult(True, message, mechanism=name, summary=summary, details=details)
