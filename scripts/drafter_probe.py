@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -35,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings_list = [(int(a), float(b)) for a, b in (x.split(":") for x in args.settings.split(",") if x)]
     except ValueError:
-        p.error(f"--settings {args.settings}: write n_max:p_min pairs, e.g. 1:0,3:0.5")
+        print(f"error: --settings {args.settings}: write n_max:p_min pairs, e.g. 1:0,3:0.5", file=sys.stderr)
+        return 2
     if args.server is not None and not args.server.is_file():
-        p.error(f"--server {args.server}: no such file")
+        print(f"error: --server {args.server}: no such file; give a llama-server binary", file=sys.stderr)
+        return 2
     tok = AutoTokenizer.from_pretrained(str(smollm2.smollm2_hf_dir()))
     rows = [json.loads(line) for line in (smollm2.INSTRUCTIONS / "code.jsonl").read_text().splitlines()][10:16]
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": r["text"]}], tokenize=False,

@@ -108,6 +108,9 @@ def test_no_drafter_committed_is_one_line(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "train smollm2-drafter: --steps 0 must be positive"),
     (["--num-layers", "9"], "train smollm2-drafter: --num-layers 9: use 1 to 8"),
+    (["--engine-server", "/nonexistent/llama-server"], "train smollm2-drafter: --engine-server "
+     "/nonexistent/llama-server: not an executable file; give a llama-server binary (or leave it out for make "
+     "llama-cpp's)"),
 ])
 def test_train_smollm2_drafter_bad_values_are_one_line(args, message):
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "train", "smollm2-drafter", *args], cwd=ROOT,
