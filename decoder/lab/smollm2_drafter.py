@@ -25,6 +25,7 @@ tokenizer metadata copied byte for byte, so llama.cpp accepts it as a draft mode
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -265,6 +266,13 @@ def _summary(agree: list[np.ndarray]) -> dict:
             **{f"tau_k{k}": round(chain_tau(agree, k), 3) for k in (1, 2, 3, 4)}}
 
 
+def data_server(binary: Path | None) -> dict:
+    """Which llama-server made the data: `make llama-cpp`'s (stock) or another build, named by its file's hash."""
+    if binary is None:
+        return {"stock": True}
+    return {"stock": False, "path": str(binary), "sha256": hashlib.sha256(Path(binary).read_bytes()).hexdigest()}
+
+
 def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDrafterSpec | None = None,
                           server: Path | None = None) -> dict:
     """Run the recipe (resuming whatever `work` holds); write the weights and recipe.json to `out`. `server`: the
@@ -332,7 +340,8 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
         "spec": asdict(spec), "parameters": int(sum(p.numel() for p in model.parameters())),
         "train_answers": len(train_seqs), "train_answer_tokens": int(sum(len(s) - p for s, p in train_seqs)),
         "data_seconds": round(data_seconds, 1), "train_seconds": round(elapsed, 1),
-        "final_loss": round(float(np.mean([x[1] for x in log[-20:]])), 4), "evaluation": evaluation})
+        "final_loss": round(float(np.mean([x[1] for x in log[-20:]])), 4), "evaluation": evaluation,
+        "data_server": data_server(server)})
     return json.loads((out / "recipe.json").read_text())
 
 
