@@ -55,7 +55,7 @@ from workbench.progress import step
 from workbench.safegit import hardened
 
 KERNEL_DIR = "ggml/"  # under the engine source: a change here is a kernel change
-CHECK_WIDTHS = (1, 2, 3, 4, 8, 16, 17, 32)  # verify batches of long drafts go past 16
+CHECK_WIDTHS = (1, 2, 3, 4, 8, 16, 17, 32, 33, 64)  # long drafts go past 16, short prompts past 32
 MICRO_WIDTHS = (1, 2, 4, 8, 16)
 RUN_TIMEOUT_S = 600
 
