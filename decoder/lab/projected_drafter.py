@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaModel
 
+from decoder.engines.gguf_write import write_tensors
+
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-5
 
@@ -204,11 +206,4 @@ def write_gguf(model: ProjectedDrafter, target_gguf: Path, dest: Path) -> None:
     for name, data in tensors:
         data = np.ascontiguousarray(data, dtype=np.float32)
         packed.append((name, gguf.quants.quantize(data, q8), q8) if data.ndim == 2 else (name, data, f32))
-    for name, data, tt in packed:
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tt)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _name, data, _tt in packed:
-        writer.write_tensor_data(data)
-    writer.close()
+    write_tensors(writer, packed)
