@@ -274,11 +274,12 @@ def data_server(binary: Path | None) -> dict:
 
 
 def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDrafterSpec | None = None,
-                          server: Path | None = None) -> dict:
+                          server: Path | None = None, data_only: bool = False) -> dict:
     """Run the recipe (resuming whatever `work` holds); write the weights and recipe.json to `out`. `server`: the
     llama-server binary that makes the data (default `make llama-cpp`'s), e.g. a build with a kernel patch that
     decodes the data stage's 16 slots faster; its greedy answers may differ from stock's at near ties only
-    (the kernel test and forcing hold a kernel to that)."""
+    (the kernel test and forcing hold a kernel to that). `data_only`: stop after the data, returning where it is
+    (the answers also train MTP heads: `specpilot train drafter --kind mtp --answers WORK/answers.jsonl`)."""
     spec = spec or SmolDrafterSpec()
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
@@ -286,28 +287,32 @@ def train_smollm2_drafter(work: Path, out: Path = DRAFTER_ASSET, spec: SmolDraft
     tok = AutoTokenizer.from_pretrained(str(smollm2_hf_dir()), local_files_only=True)
     bench_rows_file = work / "bench-answers.jsonl"
     t_data = time.time()
-    server = _server(spec, server)
+    srv = _server(spec, server)
     marker = work / "answers.done"  # holds the instruction count the answers were made for
     need_data = not (marker.is_file() and marker.read_text() == str(spec.instructions) and bench_rows_file.is_file())
     if need_data:
-        server.start()
+        srv.start()
     try:
         if need_data:
-            instr = make_instructions(spec, work, tok, server.port)
+            instr = make_instructions(spec, work, tok, srv.port)
             _progress(f"{len(instr)} instructions")
-            rows = make_answers(spec, work, tok, server.port, instr)
+            rows = make_answers(spec, work, tok, srv.port, instr)
             _progress(f"{len(rows)} answers")
             held = [json.loads(line)["text"] for f in sorted(INSTRUCTIONS.glob("*.jsonl"))
                     for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
-            bench_rows = greedy_answers(tok, server.port, held, spec.answer_tokens)
+            bench_rows = greedy_answers(tok, srv.port, held, spec.answer_tokens)
             _atomic_write_text(bench_rows_file, "".join(json.dumps(r) + "\n" for r in bench_rows))
             _atomic_write_text(marker, str(spec.instructions))
     finally:
-        server.stop()
+        srv.stop()
     if need_data:  # what making the data took, kept for a resumed run's recipe.json
         _atomic_write_text(work / "data.seconds", f"{time.time() - t_data:.1f}")
     data_seconds = float((work / "data.seconds").read_text()) if (work / "data.seconds").is_file() else 0.0
     rows = [r for r in _read_rows(work / "answers.jsonl") if r["tokens"]]
+    if data_only:
+        return {"answers": str(work / "answers.jsonl"), "rows": len(rows),
+                "answer_tokens": sum(len(r["tokens"]) for r in rows), "data_seconds": round(data_seconds, 1),
+                "data_server": data_server(server)}
     bench_rows = _read_rows(bench_rows_file)
     rng = random.Random(spec.seed)
     order = list(range(len(rows)))
