@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_llama
@@ -25,9 +26,18 @@ from decoder.featdraft import (
 )
 from decoder.generate import ar_generate, generate, speculative_generate
 from decoder.lab.bench import first_divergence, top2_margin
+from decoder.lab.train_drafter import (
+    DrafterSpec,
+    _positions,
+    build_answer_data,
+    capture_features,
+    greedy_continue,
+    train_feature_drafter,
+)
 from decoder.lean import LeanLM, StaticLeanLM
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 from decoder.proposer import Draft, Proposer
+from workbench.cli import main
 
 TRAINED = drafters_dir(DEMO_DIR / "target")
 # Twice the demo target's bf16 noise floor (0.125: the largest logit difference between one-token and
@@ -301,8 +311,6 @@ def test_training_resumes_to_the_same_weights(kind, token_cache, tmp_path):
 
     from safetensors.torch import load_file
 
-    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter
-
     spec = DrafterSpec(kind=kind, train_sequences=12, val_sequences=4, shard_size=8, prefix_len=24, gen_len=16,
                        steps=6, batch_size=2, anchors_per_seq=3, block_size=4, num_heads_mtp=3, intermediate=64,
                        warmup_steps=2, checkpoint_every=100)
@@ -328,8 +336,6 @@ def test_training_resumes_to_the_same_weights(kind, token_cache, tmp_path):
 
 def test_training_refuses_a_checkpoint_of_another_recipe(token_cache, tmp_path):
     import shutil
-
-    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter
 
     spec = DrafterSpec(kind="mtp", train_sequences=8, val_sequences=4, shard_size=8, prefix_len=24, gen_len=16,
                        steps=4, batch_size=2, anchors_per_seq=2, num_heads_mtp=2, warmup_steps=1)
@@ -393,3 +399,66 @@ def test_bench_without_feature_drafters_names_the_fix(tmp_path):
     with pytest.raises(BenchError, match="train drafter"):
         run_bench(DEMO_DIR / "target", None, str(_prompt_file(tmp_path)), 4, methods=("sd-block",),
                   feature=FeatureSettings(drafters=str(tmp_path / "none")), progress=False)
+
+
+def _answer_rows(tok, target, prompts: list[str], gen: int) -> list[dict]:
+    """The demo target's own greedy answers to `prompts`, as `train smollm2-drafter --only data` writes them."""
+    rows = []
+    for text in prompts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out = greedy_continue(target, torch.tensor([ids]), gen)[0].tolist()
+        rows.append({"text": text, "prompt": text, "tokens": out})
+    return rows
+
+
+def test_mtp_heads_train_on_a_chat_deployments_answers(tmp_path, target):
+    """`--answers`: rows of (prompt, the target's answer) become aligned fixed-length rows whose features are
+    the target's own over the real context; a long prompt keeps its tail, a too-short answer is dropped, and
+    no drawn position reaches past a row's answer."""
+    tok = load_tokenizer(DEMO_DIR / "target")
+    texts = ["def add(a, b):", "The river", "import os\nimport sys\n\ndef main():\n    path = os.getcwd()",
+             "class Stack:", "Once upon a time", "for i in range(10):", "x = [1, 2, 3]\ny =", "# sort a list"]
+    rows = _answer_rows(tok, target, texts, 12)
+    rows[3]["tokens"] = rows[3]["tokens"][:3]  # too short for 3 heads: dropped
+    rows[4]["tokens"] = rows[4]["tokens"][:7]  # shorter than gen_len: kept, its positions bounded
+    f = tmp_path / "answers.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DrafterSpec(kind="mtp", answers=str(f), train_sequences=100, val_sequences=2, shard_size=4,
+                       prefix_len=8, gen_len=10, steps=4, batch_size=2, anchors_per_seq=3, num_heads_mtp=3,
+                       warmup_steps=1)
+    layers = (target.config.num_hidden_layers - 1,)
+    data = build_answer_data(target, DEMO_DIR / "target", tmp_path / "w", spec, layers)
+    seqs = np.concatenate([data["train"][0], data["val"][0]])
+    lens = np.concatenate([data["train"][3], data["val"][3]])
+    feats = [np.asarray(s) for s in data["train"][1] + data["val"][1]]
+    feats = np.concatenate(feats)
+    assert len(seqs) == 7 and seqs.shape[1] == 18
+    for r in rows:
+        p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        a = r["tokens"][:10]
+        hits = [j for j in range(len(seqs)) if seqs[j, 8: 8 + len(a)].tolist() == a and lens[j] == 8 + len(a)
+                and seqs[j, max(0, 8 - len(p)): 8].tolist() == p[-8:]]
+        assert (len(hits) == 1) == (len(r["tokens"]) >= 5), r["text"]
+        if len(p) > 8 and hits:  # the long prompt: features of the full context, not of its kept tail
+            full = capture_features(target, torch.tensor([p + a]), layers)[0].to(torch.bfloat16)
+            got = torch.from_numpy(feats[hits[0], 8 - 1]).view(torch.bfloat16)
+            assert torch.equal(got, full[len(p) - 1])
+    pos = _positions(spec, np.random.default_rng(0), np.full(50, 8 + 5))
+    assert int(pos.min()) == 7 and int(pos.max()) == 8 + 5 - 2 - 3
+    recipe = train_feature_drafter(DEMO_DIR / "target", tmp_path / "out", tmp_path / "w", spec, progress=False)
+    assert recipe["spec"]["answers"] == str(f) and recipe["val"]["blocks"] == 2 * 3
+
+
+def test_train_drafter_answers_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "tokens": [1, 2]}\n{"prompt": "b"}\n')
+    cases = [(["drafter", "--kind", "mtp", "--answers", str(tmp_path / "missing.jsonl")], "not a file"),
+             (["drafter", "--kind", "router", "--answers", str(bad)], "only for --kind block or mtp"),
+             (["drafter", "--kind", "mtp", "--answers", str(bad), "--work-dir", str(tmp_path / "w")], "line 2 needs"),
+             (["demo", "--only", "data"], "--only data: use target or drafter"),
+             (["smollm2-drafter", "--only", "target"], "--only target: use data")]
+    for argv, msg in cases:
+        assert main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").rglob("*.npy"))

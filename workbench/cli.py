@@ -175,16 +175,33 @@ def _tree_settings(args: argparse.Namespace, cls):
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from decoder.lab.train_drafter import DrafterSpec, train_feature_drafter, train_router, train_vocab_rank
-    from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir
+    from decoder.lab.train_drafter import (
+        DrafterSpec,
+        read_answers,
+        train_feature_drafter,
+        train_router,
+        train_vocab_rank,
+    )
+    from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir, smollm2_deployment
 
     if args.kind is None:
         return fail("train drafter: --kind is required (block, mtp, router or vocab)")
-    target = Path(args.target) if args.target else DEMO_DIR / "target"
     try:
+        target = smollm2_deployment().target if args.target == "smollm2" else \
+            Path(args.target) if args.target else DEMO_DIR / "target"
         check_model_dir(target, "target")
     except ModelLoadError as e:
         return fail(str(e))
+    answers = Path(args.answers) if args.answers else None
+    if answers is not None and (args.kind not in ("block", "mtp") or not answers.is_file()):
+        return fail(f"train drafter: --answers {answers}: " + (
+            "not a file; give a JSONL of \"prompt\" and \"tokens\" rows (e.g. `specpilot train smollm2-drafter "
+            "--only data`'s answers.jsonl)" if args.kind in ("block", "mtp") else "only for --kind block or mtp"))
+    if answers is not None:
+        try:  # a bad row is named before the target loads
+            read_answers(answers)
+        except (ValueError, OSError) as e:
+            return fail(f"train drafter: {e}")
     if args.kind == "router":
         print(json.dumps(train_router(target, Path(args.out) if args.out else None, seed=args.seed)))
         return 0
@@ -194,6 +211,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     # The committed demo recipe: block 3500 steps; MTP 6 heads, 8000 steps (cheap per step).
     spec = DrafterSpec(kind=args.kind, seed=args.seed, steps=3500 if args.kind == "block" else 8000,
                        num_heads_mtp=6)
+    if answers is not None:  # chat rows: a prompt of up to 128 tokens, then the answer (the bench's 128 tokens)
+        spec.answers, spec.prefix_len, spec.gen_len = str(answers.resolve()), 128, 128
     for key in ("steps", "train_sequences", "batch_size", "block_size", "num_layers", "lr"):
         v = getattr(args, key)
         if v is not None:
@@ -221,6 +240,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         recipe = train_feature_drafter(target, out, work, spec)
     except ValueError as e:
         return fail(str(e))
+    except OSError as e:
+        return fail(f"train drafter: {e.filename or work}: {e.strerror}; pass a writable --work-dir/--out")
     print(json.dumps({"kind": spec.kind, "parameters": recipe["parameters"], "train_seconds": recipe["train_seconds"],
                       "data_seconds": recipe["data_seconds"], "val": recipe["val"]}))
     return 0
@@ -267,11 +288,14 @@ def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
             for ckpt in ("drafter.ckpt", "drafter-stage2.ckpt"):
                 (work / ckpt).unlink(missing_ok=True)
         work.mkdir(parents=True, exist_ok=True)
-        recipe = train_smollm2_drafter(work, out, spec, server)
+        recipe = train_smollm2_drafter(work, out, spec, server, data_only=args.only == "data")
     except (ModelFetchError, EngineError) as e:
         return fail(f"train smollm2-drafter: {e}")
     except OSError as e:
         return fail(f"train smollm2-drafter: {e.filename or work}: {e.strerror}; pass a writable --work-dir/--out")
+    if args.only == "data":
+        print(json.dumps(recipe))
+        return 0
     print(json.dumps({"parameters": recipe["parameters"], "train_answers": recipe["train_answers"],
                       "data_seconds": recipe["data_seconds"], "train_seconds": recipe["train_seconds"],
                       "evaluation": recipe["evaluation"], "out": str(out)}))
@@ -279,6 +303,10 @@ def _cmd_train_smollm2_drafter(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    allowed = {"demo": ("target", "drafter"), "smollm2-drafter": ("data",)}.get(args.what, ())
+    if args.only is not None and args.only not in allowed:
+        return fail(f"train {args.what}: --only {args.only}: " + (
+            f"use {' or '.join(allowed)}" if allowed else "this recipe runs as one stage; leave --only out"))
     if args.what == "drafter":
         return _cmd_train_drafter(args)
     if args.what == "smollm2-drafter":
@@ -398,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--work-dir", help="checkpoints and caches (default: build/train-demo, build/train-drafter)")
     t.add_argument("--kind", choices=("block", "mtp", "router", "vocab"),
                    help="drafter: what to train (vocab: the token frequency ranking a pruned drafter head uses)")
-    t.add_argument("--target", help="drafter: the target's local model directory (default: the demo target)")
+    t.add_argument("--target", help="drafter: the target's local model directory, or smollm2 (default: the demo "
+                                    "target)")
+    t.add_argument("--answers", metavar="FILE",
+                   help="drafter (block, mtp): distil on a chat deployment's own answers (JSONL rows with \"prompt\" "
+                        "and \"tokens\", e.g. `train smollm2-drafter --only data`'s WORK/answers.jsonl) instead of "
+                        "corpus continuations")
     t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
     t.add_argument("--steps", type=int, help="drafter: optimiser steps (default: block 3500, mtp 8000)")
     t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096)")
@@ -412,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, help="mtp: number of heads (default 6)")
     t.add_argument("--lr", type=float, help="drafter: peak learning rate")
     t.add_argument("--target-layers", help="drafter: target layers to read, e.g. 1,3,5 (default: spread, ending last)")
-    t.add_argument("--only", choices=("target", "drafter"), help="run one stage")
+    t.add_argument("--only", choices=("target", "drafter", "data"),
+                   help="demo: run one stage (target, drafter); smollm2-drafter: make the data only (data)")
     t.add_argument("--force", action="store_true", help="retrain even if the outputs exist")
     t.set_defaults(func=_cmd_train)
     return p

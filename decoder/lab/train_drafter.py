@@ -24,6 +24,7 @@ The router (`--kind router`) is a logistic regression on bag-of-token prompts of
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -90,6 +91,9 @@ class DrafterSpec:
     weight_decay: float = 0.01
     slot_decay: float = 6.0  # block: CE weight of slot j is exp(-(j-1)/slot_decay)
     checkpoint_every: int = 50
+    # data from a chat deployment's own answers (JSONL rows: "prompt" text, "tokens" answer ids) instead of
+    # corpus continuations: the prompt's last `prefix_len` tokens, the answer's first `gen_len`
+    answers: str | None = None
 
 
 def default_layers(n_layers: int) -> tuple[int, ...]:
@@ -181,9 +185,85 @@ def build_data(target, target_dir: Path, work: Path, spec: DrafterSpec, layers: 
     bar.close()
     res = {}
     for split, shards in out.items():
-        res[split] = (np.concatenate([s for s, _ in shards]), [f for _, f in shards], [len(s) for s, _ in shards])
+        seqs = np.concatenate([s for s, _ in shards])
+        res[split] = (seqs, [f for _, f in shards], [len(s) for s, _ in shards], np.full(len(seqs), t_len))
     assert res["train"][0].shape[1] == t_len
     return res
+
+
+def read_answers(path: Path) -> list[dict]:
+    """Rows of an answers file (JSONL: "prompt" text, "tokens" answer ids), e.g. `specpilot train smollm2-drafter
+    --only data`'s answers.jsonl. ValueError (one line, naming the line) on a row that is not one."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ValueError(f"--answers {path}: line {n} is not JSON") from None
+        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("tokens"), list)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in row["tokens"])):
+            raise ValueError(f"--answers {path}: line {n} needs \"prompt\" (text) and \"tokens\" (answer ids)")
+        rows.append(row)
+    return rows
+
+
+def build_answer_data(target, target_dir: Path, work: Path, spec: DrafterSpec, layers: tuple[int, ...]) -> dict:
+    """Stage 1-2 from a chat deployment's own answers (`spec.answers`): each row is its prompt (chat template
+    rendered, tokenised as the harness does) and the target's greedy answer; the features come from one
+    teacher-forced forward over the whole row, so every position sees its real context. Rows are stored
+    right-aligned on the prompt: the prompt's last `prefix_len` tokens end at `prefix_len`, the answer's first
+    `gen_len` tokens follow, and each row's real length bounds the positions drawn from it. Shards as in
+    `build_data` (resumable); the first `val_sequences` rows of a seeded shuffle are held out."""
+    from transformers import AutoTokenizer
+
+    rows = read_answers(Path(spec.answers))
+    tok = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    need = (spec.num_heads_mtp if spec.kind == "mtp" else spec.block_size) + 2
+    rows = [r for r in rows if len(r["tokens"]) >= need]
+    if len(rows) <= spec.val_sequences:
+        raise ValueError(f"--answers {spec.answers}: {len(rows)} answers of at least {need} tokens; need more than "
+                         f"the {spec.val_sequences} held out")
+    order = np.random.default_rng([spec.seed, 9]).permutation(len(rows))
+    splits = {"train": [rows[i] for i in order[spec.val_sequences:][: spec.train_sequences]],
+              "val": [rows[i] for i in order[: spec.val_sequences]]}
+    t_len, p_len = spec.prefix_len + spec.gen_len, spec.prefix_len
+    lay = "-".join(map(str, layers))
+    digest = hashlib.sha256(Path(spec.answers).read_bytes()).hexdigest()[:12]
+    ddir = work / f"answers-{digest}-p{p_len}-g{spec.gen_len}-s{spec.seed}-l{lay}"
+    ddir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, tuple] = {}
+    for split, srows in splits.items():
+        seqs_all, feats_all, sizes, lens_all = [], [], [], []
+        n_shards = math.ceil(len(srows) / spec.shard_size)
+        for i in tqdm(range(n_shards), desc=f"answer features ({split} shards)", file=sys.stderr, dynamic_ncols=True):
+            seq_path, feat_path = ddir / f"{split}-{i:03d}.seq.npy", ddir / f"{split}-{i:03d}.feat.npy"
+            len_path = ddir / f"{split}-{i:03d}.len.npy"
+            if not feat_path.exists():
+                chunk = srows[i * spec.shard_size: (i + 1) * spec.shard_size]
+                seqs = np.zeros((len(chunk), t_len), dtype=np.int32)
+                feats = np.zeros((len(chunk), t_len, len(layers) * target.config.hidden_size), dtype=np.int16)
+                lens = np.zeros(len(chunk), dtype=np.int64)
+                for j, r in enumerate(chunk):
+                    prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+                    answer = list(r["tokens"])[: spec.gen_len]
+                    full = torch.tensor([prompt + answer], dtype=torch.long)
+                    f = capture_features(target, full, layers)[0].to(torch.bfloat16).view(torch.int16).numpy()
+                    cut = max(0, len(prompt) - p_len)  # drop the prompt's head: it stays in the features' context
+                    at = p_len - (len(prompt) - cut)
+                    seqs[j, at: at + full.shape[1] - cut] = full[0, cut:].numpy()
+                    feats[j, at: at + full.shape[1] - cut] = f[cut:]
+                    lens[j] = p_len + len(answer)
+                _atomic_save_npy(seq_path, seqs)
+                _atomic_save_npy(len_path, lens)
+                _atomic_save_npy(feat_path, feats)
+            seqs_all.append(np.load(seq_path))
+            lens_all.append(np.load(len_path))
+            feats_all.append(np.load(feat_path, mmap_mode="r"))
+            sizes.append(len(seqs_all[-1]))
+        out[split] = (np.concatenate(seqs_all), feats_all, sizes, np.concatenate(lens_all))
+    return out
 
 
 class _Feats:
@@ -203,13 +283,17 @@ class _Feats:
 # ------------------------------------------------------------------------------------- training
 
 
-def _positions(spec: DrafterSpec, rng: np.random.Generator, b: int, t_len: int) -> torch.Tensor:
-    """block: anchors in [prefix, T-1-k]; mtp: positions p in [prefix-1, T-2-heads]. [B, N] long."""
+def _positions(spec: DrafterSpec, rng: np.random.Generator, lens: np.ndarray) -> torch.Tensor:
+    """block: anchors in [prefix, L-1-k]; mtp: positions p in [prefix-1, L-2-heads], L each row's real length
+    (T for corpus data). [B, N] long."""
+    lens = np.asarray(lens, dtype=np.int64)[:, None]
     if spec.kind == "block":
-        lo, hi = spec.prefix_len, t_len - 1 - spec.block_size
+        lo, hi = spec.prefix_len, lens - 1 - spec.block_size
     else:
-        lo, hi = spec.prefix_len - 1, t_len - 2 - spec.num_heads_mtp
-    return torch.from_numpy(rng.integers(lo, hi + 1, size=(b, spec.anchors_per_seq)).astype(np.int64))
+        lo, hi = spec.prefix_len - 1, lens - 2 - spec.num_heads_mtp
+    if not np.ptp(hi):  # equal lengths (corpus data): the scalar draw, as the committed recipes were trained
+        hi = int(hi[0, 0])
+    return torch.from_numpy(rng.integers(lo, hi + 1, size=(len(lens), spec.anchors_per_seq)).astype(np.int64))
 
 
 def _block_targets(tokens: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
@@ -226,12 +310,12 @@ def _mtp_inputs(feats: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, d:
     return h, e, y
 
 
-def _batch_logits(model, spec, seqs: np.ndarray, feats_of, idx: np.ndarray, rng: np.random.Generator, embed,
-                  lm_head, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch_logits(model, spec, seqs: np.ndarray, lens: np.ndarray, feats_of, idx: np.ndarray,
+                  rng: np.random.Generator, embed, lm_head, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and targets of the windows `idx` (anchors drawn from `rng`), under bf16 autocast."""
     tokens = torch.from_numpy(seqs[idx].astype(np.int64))
     feats = feats_of.rows(idx)
-    pos = _positions(spec, rng, len(idx), seqs.shape[1])
+    pos = _positions(spec, rng, lens[idx])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return _logits(model, spec, feats, tokens, pos, embed, lm_head, d)
 
@@ -248,14 +332,14 @@ def _logits(model, spec: DrafterSpec, feats, tokens, pos, embed, lm_head, d: int
 @torch.no_grad()
 def evaluate(model, spec: DrafterSpec, val, embed, lm_head, d: int) -> dict:
     """Per-slot top-1 accuracy and chain tau on held-out sequences (fixed positions, seed-independent)."""
-    seqs, shards, sizes = val
+    seqs, shards, sizes, lens = val
     feats_of = _Feats(shards, sizes)
     rng = np.random.default_rng([12345])
     model.eval()
     hits = []
     for i in range(0, len(seqs), 16):
         idx = np.arange(i, min(len(seqs), i + 16))
-        logits, y = _batch_logits(model, spec, seqs, feats_of, idx, rng, embed, lm_head, d)
+        logits, y = _batch_logits(model, spec, seqs, lens, feats_of, idx, rng, embed, lm_head, d)
         hits.append((logits.argmax(-1) == y).reshape(-1, y.shape[-1]))
     model.train()
     h = torch.cat(hits).float()  # [blocks, k]
@@ -289,7 +373,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
     d = tc.hidden_size
     work.mkdir(parents=True, exist_ok=True)
     t_data = time.time()
-    data = build_data(target, target_dir, work, spec, layers)
+    data = (build_answer_data if spec.answers else build_data)(target, target_dir, work, spec, layers)
     data_s = time.time() - t_data
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
@@ -316,7 +400,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
     def save_ckpt() -> None:
         save_checkpoint(ckpt, model, opt, step, elapsed, log, asdict(spec))
 
-    seqs, shards, sizes = data["train"]
+    seqs, shards, sizes, lens = data["train"]
     feats_of = _Feats(shards, sizes)
     slot_w = None
     if spec.kind == "block":
@@ -332,7 +416,7 @@ def train_feature_drafter(target_dir: Path, out_dir: Path | None, work: Path, sp
             g["lr"] = _lr_at(spec, step)  # the demo recipe's schedule (same fields)
         rng = np.random.default_rng([spec.seed, step, 1])
         idx = np.sort(rng.choice(len(seqs), size=spec.batch_size, replace=False))
-        logits, y = _batch_logits(model, spec, seqs, feats_of, idx, rng, embed, lm_head, d)
+        logits, y = _batch_logits(model, spec, seqs, lens, feats_of, idx, rng, embed, lm_head, d)
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         ce = ce.view(-1, y.shape[-1])
         loss = (ce * slot_w).mean() if slot_w is not None else ce.mean()
