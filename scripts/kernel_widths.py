@@ -10,7 +10,8 @@ For a llama.cpp workspace that carries the engine's source: stock's engine and e
 - the kernel bench's whole forward of matmuls per width (every position's logits, as verification computes).
 A commit's binaries run in the sandbox and their timings are the candidate build's own account (a commit of
 the kernel library, or any agent's). The fastest of each cell's repeats is reported, and each width's ratio
-to width 1 of the same engine.
+to width 1 of the same engine; on a noisy machine the median over passes of each pass's own ratio (w1 and wN
+timed in the same llama-bench call) is the steadier figure, reported beside it (`ratio_median`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(d) for d in args.depths.split(",")]
     fas = args.flash_attn.split(",")
     best: dict[str, dict[str, dict[int, float]]] = {}
+    per_pass: dict[str, dict[str, list[dict[int, float]]]] = {}
     with measurement_lock():
         for rep in range(args.repeats):
             for name, (rev, lb, kb) in tools.items():
@@ -92,18 +95,22 @@ def main(argv: list[str] | None = None) -> int:
                          for d in depths for fa in fas}
                 cells["matmuls (every position's logits)"] = _kernel_forward(ws, rev, kb, args.threads)
                 for cell, ms in cells.items():
+                    per_pass.setdefault(name, {}).setdefault(cell, []).append({w: v / ms[1] for w, v in ms.items()})
                     keep = best.setdefault(name, {}).setdefault(cell, {})
                     for w, v in ms.items():
                         keep[w] = min(v, keep.get(w, float("inf")))
                 print(f"pass {rep + 1}/{args.repeats}: {name} measured", file=sys.stderr, flush=True)
     report = {"workspace": str(ws.path), "threads": args.threads, "widths": list(WIDTHS),
-              "commits": {n: (r or ws.stock_commit) for n, r in commits}, "ms": {}, "ratio_to_w1": {}}
+              "commits": {n: (r or ws.stock_commit) for n, r in commits}, "ms": {}, "ratio_to_w1": {},
+              "ratio_median": {}, "passes": args.repeats}
     for name, cells in best.items():
         for cell, ms in cells.items():
             report["ms"].setdefault(name, {})[cell] = {str(w): round(v, 3) for w, v in sorted(ms.items())}
             report["ratio_to_w1"].setdefault(name, {})[cell] = {str(w): round(v / ms[1], 3)
                                                                   for w, v in sorted(ms.items())}
-            print(f"{name:10s} {cell:36s} " + "  ".join(f"w{w} {v:6.1f} ({v / ms[1]:.2f}x)"
+            med = {w: statistics.median(r[w] for r in per_pass[name][cell]) for w in sorted(ms)}
+            report["ratio_median"].setdefault(name, {})[cell] = {str(w): round(v, 3) for w, v in med.items()}
+            print(f"{name:10s} {cell:36s} " + "  ".join(f"w{w} {v:6.1f} ({v / ms[1]:.2f}x, median {med[w]:.2f}x)"
                                                          for w, v in sorted(ms.items())))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
