@@ -401,6 +401,26 @@ def test_bench_without_feature_drafters_names_the_fix(tmp_path):
                   feature=FeatureSettings(drafters=str(tmp_path / "none")), progress=False)
 
 
+def test_a_deployment_with_mtp_heads_only_skips_the_other_feature_methods_by_name(tmp_path):
+    """SmolLM2 carries MTP heads and no block drafter: the default method set runs sd-mtp and skips sd-block and
+    sd-routed each with what it lacks; naming sd-block explicitly is the one-line error."""
+    from decoder.config import DecodeConfig
+    from decoder.lab.bench import BenchError, FeatureSettings, TreeSettings, select_methods
+
+    (tmp_path / "mtp").symlink_to(DEMO_DIR / "target" / "drafters" / "mtp", target_is_directory=True)
+    feature, cfg = FeatureSettings(drafters=str(tmp_path)), DecodeConfig(method="sd", drafter="ngram")
+    methods = ("ar", "sd-block", "sd-mtp", "sd-routed")
+    keep, skipped = select_methods(methods, True, DEMO_DIR / "target", None, cfg, 8, TreeSettings(), feature)
+    assert keep == ("ar", "sd-mtp")
+    reasons = {s["name"]: s["reason"] for s in skipped}
+    assert reasons["sd-block"].startswith(f"no block drafter at {tmp_path}; train it with `specpilot train "
+                                          f"drafter --kind block")
+    assert reasons["sd-routed"].startswith(f"no router at {tmp_path}; train it with `specpilot train drafter "
+                                           f"--kind router")  # both routes go to the MTP heads, which are there
+    with pytest.raises(BenchError, match="--methods sd-block: no block drafter"):
+        select_methods(("ar", "sd-block"), False, DEMO_DIR / "target", None, cfg, 8, TreeSettings(), feature)
+
+
 def _answer_rows(tok, target, prompts: list[str], gen: int) -> list[dict]:
     """The demo target's own greedy answers to `prompts`, as `train smollm2-drafter --only data` writes them."""
     rows = []

@@ -377,9 +377,9 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         why = None
         if name in DRAFT_MODEL_METHODS and drafter_dir is None:
             why = "needs a draft model (--drafter DIR)"
-        elif name in FEATURE_METHODS and not heads_root.is_dir():
-            why = (f"no feature drafters at {heads_root}; train them with `specpilot train drafter --kind "
-                   f"{'block' if name == 'sd-block' else 'mtp'} --target {target_dir}`")
+        elif name in FEATURE_METHODS and (missing := _missing_heads(name, heads_root, feature)):
+            why = (f"no {missing} at {heads_root}; train it with `specpilot train drafter --kind "
+                   f"{missing.split()[0]} --target {target_dir}`")
         elif name == "sd-mtp-vocab" and not (heads_root / VOCAB_RANK_FILE).exists():
             why = (f"no token ranking at {heads_root / VOCAB_RANK_FILE}; make it with `specpilot train drafter "
                    f"--kind vocab --target {target_dir}`")
@@ -398,6 +398,19 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         else:
             raise BenchError(f"--methods {name}: {why}")
     return tuple(keep), skipped
+
+
+def _missing_heads(name: str, root: Path, feature: FeatureSettings) -> str | None:
+    """What a feature method needs under `root` and does not find ("mtp heads", "block drafter", "router"),
+    None when all of it is there: a deployment may carry one kind only (e.g. SmolLM2's MTP heads)."""
+    kinds = {"sd-block": ["block"], "sd-mtp": ["mtp"], "sd-mtp-vocab": ["mtp"],
+             "sd-routed": [r for r in (feature.route_code, feature.route_prose) if r in ("block", "mtp")]}[name]
+    for kind in kinds:
+        if not (root / kind / "config.json").is_file():
+            return "mtp heads" if kind == "mtp" else "block drafter"
+    if name == "sd-routed" and not (root / "router.json").is_file():
+        return "router"
+    return None
 
 
 def load_bench_inputs(target_dir: Path, drafter_dir: Path | None, needs_drafter: bool, prompts_spec: str,
