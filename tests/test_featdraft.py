@@ -473,7 +473,7 @@ def test_train_drafter_answers_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "tokens": [1, 2]}\n{"prompt": "b"}\n')
     cases = [(["drafter", "--kind", "mtp", "--answers", str(tmp_path / "missing.jsonl")], "not a file"),
-             (["drafter", "--kind", "router", "--answers", str(bad)], "only for --kind block or mtp"),
+             (["drafter", "--kind", "router", "--answers", str(bad)], "only for --kind block, mtp or vocab"),
              (["drafter", "--kind", "mtp", "--answers", str(bad), "--work-dir", str(tmp_path / "w")], "line 2 needs"),
              (["demo", "--only", "data"], "--only data: use target or drafter"),
              (["smollm2-drafter", "--only", "target"], "--only target: use data")]
@@ -482,3 +482,29 @@ def test_train_drafter_answers_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "w").exists() or not any((tmp_path / "w").rglob("*.npy"))
+
+
+def test_vocab_rank_from_a_chat_deployments_answers(tmp_path, capsys):
+    """`train drafter --kind vocab --answers`: tokens ranked by their counts in the training rows' answers (ties
+    by id), coverage measured on the held-out rows (the MTP heads' validation split), ids outside the target's
+    vocabulary refused in one line."""
+    rng = np.random.default_rng(3)
+    rows = [{"prompt": f"q{i}", "tokens": [int(t) for t in rng.choice([5, 7, 9, 11], size=20, p=[.4, .3, .2, .1])]}
+            for i in range(DrafterSpec().val_sequences + 40)]
+    f = tmp_path / "answers.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "vocab_rank.json"
+    assert main(["train", "drafter", "--kind", "vocab", "--answers", str(f), "--out", str(out)]) == 0
+    rank = json.loads(out.read_text())
+    held = set(np.random.default_rng([0, 9]).permutation(len(rows))[: DrafterSpec().val_sequences].tolist())
+    train = [t for i, r in enumerate(rows) if i not in held for t in r["tokens"]]
+    counts = {t: train.count(t) for t in (5, 7, 9, 11)}
+    assert rank["ids"][:4] == sorted(counts, key=lambda t: (-counts[t], t)) and rank["ids"][4:7] == [0, 1, 2]
+    assert rank["train_tokens"] == len(train) and rank["val_coverage"]["512"] == 1.0
+    assert sorted(rank["ids"]) == list(range(len(rank["ids"]))) and "answer token counts" in rank["source"]
+    capsys.readouterr()
+    f.write_text("".join(json.dumps({"prompt": "q", "tokens": [10 ** 7]}) + "\n" for _ in range(200)))
+    assert main(["train", "drafter", "--kind", "vocab", "--answers", str(f), "--out", str(tmp_path / "v2")]) == 2
+    err = capsys.readouterr().err
+    assert "outside the target's vocabulary" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "v2").exists()

@@ -72,6 +72,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                      if getattr(args, f, None) is not None})
         DecodeConfig(lean_forward=True, drafter="routed", route_code=feature.route_code,
                      route_prose=feature.route_prose)  # names a bad route the way a config file would
+        if not 64 <= feature.mtp_draft_vocab <= 262144:
+            return fail(f"bench: --mtp-draft-vocab {feature.mtp_draft_vocab}: use 64 to 262144 tokens (the pruned "
+                        f"heads score that many of the most frequent)")
         tree = _tree_settings(args, TreeSettings)
         with ExitStack() as stack:
             group = stack.enter_context(PeerGroup(peers)) if peers is not None else None
@@ -193,10 +196,10 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         return fail(str(e))
     answers = Path(args.answers) if args.answers else None
-    if answers is not None and (args.kind not in ("block", "mtp") or not answers.is_file()):
+    if answers is not None and (args.kind not in ("block", "mtp", "vocab") or not answers.is_file()):
         return fail(f"train drafter: --answers {answers}: " + (
             "not a file; give a JSONL of \"prompt\" and \"tokens\" rows (e.g. `specpilot train smollm2-drafter "
-            "--only data`'s answers.jsonl)" if args.kind in ("block", "mtp") else "only for --kind block or mtp"))
+            "--only data`'s answers.jsonl)" if args.kind != "router" else "only for --kind block, mtp or vocab"))
     if answers is not None:
         try:  # a bad row is named before the target loads
             read_answers(answers)
@@ -206,7 +209,11 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         print(json.dumps(train_router(target, Path(args.out) if args.out else None, seed=args.seed)))
         return 0
     if args.kind == "vocab":
-        print(json.dumps(train_vocab_rank(target, Path(args.out) if args.out else None)))
+        try:
+            print(json.dumps(train_vocab_rank(target, Path(args.out) if args.out else None, answers=answers,
+                                              seed=args.seed)))
+        except ValueError as e:
+            return fail(f"train drafter: {e}")
         return 0
     # The committed demo recipe: block 3500 steps; MTP 6 heads, 8000 steps (cheap per step).
     spec = DrafterSpec(kind=args.kind, seed=args.seed, steps=3500 if args.kind == "block" else 8000,
@@ -340,6 +347,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 SETTINGS_FLAGS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "block_draft_len": (positive_int, "sd-block: tokens drafted per block (default 8)"),
     "mtp_draft_len": (positive_int, "sd-mtp: tokens drafted by the heads (default 6)"),
+    "mtp_draft_vocab": (positive_int, "sd-mtp-vocab: the most frequent tokens its pruned heads score (default "
+                                      "1024; 64 or more)"),
     "route_code": (None, "sd-routed: drafter for code prompts (block, mtp, draft-model, ngram; default mtp)"),
     "route_prose": (None, "sd-routed: drafter for prose prompts (default mtp)"),
     "drafters": (None, "the target's feature drafters directory (default TARGET/drafters)"),
@@ -431,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--answers", metavar="FILE",
                    help="drafter (block, mtp): distil on a chat deployment's own answers (JSONL rows with \"prompt\" "
                         "and \"tokens\", e.g. `train smollm2-drafter --only data`'s WORK/answers.jsonl) instead of "
-                        "corpus continuations")
+                        "corpus continuations; vocab: rank tokens by their counts in those answers")
     t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
     t.add_argument("--steps", type=int, help="drafter: optimiser steps (default: block 3500, mtp 8000)")
     t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096)")

@@ -110,6 +110,7 @@ class FeatureSettings:
 
     block_draft_len: int = BLOCK_DRAFT_LEN
     mtp_draft_len: int = MTP_DRAFT_LEN
+    mtp_draft_vocab: int = PRESETS["sd-mtp-vocab"]["draft_vocab"]
     route_code: str = _DEFAULT.route_code  # measured best on both demo domains (README)
     route_prose: str = _DEFAULT.route_prose
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
@@ -117,8 +118,10 @@ class FeatureSettings:
     def overrides(self, name: str) -> dict:
         if name == "sd-block":
             return {"draft_len": self.block_draft_len}
-        if name in ("sd-mtp", "sd-mtp-vocab"):
+        if name == "sd-mtp":
             return {"draft_len": self.mtp_draft_len}
+        if name == "sd-mtp-vocab":
+            return {"draft_len": self.mtp_draft_len, "draft_vocab": self.mtp_draft_vocab}
         if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
             return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
                     else self.block_draft_len, "route_code": self.route_code, "route_prose": self.route_prose}
@@ -664,8 +667,9 @@ def format_table(report: dict) -> str:
     feat = report.get("config", {}).get("feature")
     if feat:
         routed = next((m.extra for m in methods if m.name == "sd-routed"), None)
-        lines.append("sd-block: k {block_draft_len}; sd-mtp: k {mtp_draft_len}; sd-routed: code -> {route_code}, "
-                     "prose -> {route_prose}".format(**feat) +
+        lines.append("sd-block: k {block_draft_len}; sd-mtp: k {mtp_draft_len}; ".format(**feat) +
+                     (f"sd-mtp-vocab: {feat['mtp_draft_vocab']} tokens; " if "mtp_draft_vocab" in feat else "") +
+                     "sd-routed: code -> {route_code}, prose -> {route_prose}".format(**feat) +
                      (f"; routed {routed['routes']} at {routed['route_us_per_request']:.0f} us per request"
                       if routed else ""))
     if peers:

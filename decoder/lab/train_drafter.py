@@ -539,26 +539,43 @@ def train_router(target_dir: Path, out_path: Path | None = None, seed: int = 0, 
 # ------------------------------------------------------------------------------------------ vocab rank
 
 
-def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upweight: int = 3) -> dict:
+def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upweight: int = 3,
+                     answers: Path | None = None, seed: int = 0) -> dict:
     """The token frequency ranking a pruned drafter head reads (`draft_vocab`): every token id of the target's
-    vocabulary, most frequent first in the training split of the corpus (ties by id), and the share of the
-    validation split's tokens that the top 512 / 1024 / 2048 cover. Written to `<target>/drafters/vocab_rank.json`."""
+    vocabulary, most frequent first (ties by id), and the share of held-out tokens that the top 512 ... 8192
+    cover. Counted over the training split of the corpus, or with `answers` (a chat deployment's own answers,
+    as `train drafter --answers`) over its answer tokens, the same rows held out as the MTP heads' validation
+    (the first `val_sequences` of the seeded shuffle). Written to `<target>/drafters/vocab_rank.json`."""
     from decoder.models import model_config
 
     target_dir = Path(target_dir)
     out_path = Path(out_path) if out_path else drafters_dir(target_dir) / VOCAB_RANK_FILE
     vocab = int(model_config(target_dir, "target")["vocab_size"])
-    streams = corpus_streams(target_dir, data_dir() / "drafters" / f"vocab-{target_dir.name}", prose_upweight)
+    if answers is not None:
+        rows = read_answers(Path(answers))
+        held = DrafterSpec().val_sequences
+        if len(rows) <= held:
+            raise ValueError(f"--answers {answers}: {len(rows)} answers; need more than the {held} held out")
+        order_rows = np.random.default_rng([seed, 9]).permutation(len(rows))
+        split = {"val": order_rows[:held], "train": order_rows[held:]}
+        streams = {k: np.asarray([t for i in idx for t in rows[i]["tokens"]], dtype=np.int64)
+                   for k, idx in split.items()}
+        source = f"answer token counts of {Path(answers).resolve()} ({len(split['train'])} rows; {held} held out)"
+    else:
+        streams = corpus_streams(target_dir, data_dir() / "drafters" / f"vocab-{target_dir.name}", prose_upweight)
+        source = "corpus train split token counts (decoder/lab/corpus.py)"
+    if streams["train"].size and (streams["train"].min() < 0 or streams["train"].max() >= vocab):
+        raise ValueError(f"token ids outside the target's vocabulary of {vocab}: the answers are not this target's")
     counts = np.bincount(streams["train"].astype(np.int64), minlength=vocab)[:vocab]
     order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))
     val = np.bincount(streams["val"].astype(np.int64), minlength=vocab)[:vocab]
-    cover = {str(n): round(float(val[order[:n]].sum() / max(1, val.sum())), 4) for n in (512, 1024, 2048)}
-    out = {"ids": order, "source": "corpus train split token counts (decoder/lab/corpus.py)",
-           "train_tokens": int(streams["train"].size), "val_coverage": cover}
+    cover = {str(n): round(float(val[order[:n]].sum() / max(1, val.sum())), 4)
+             for n in (512, 1024, 2048, 4096, 8192) if n <= vocab}
+    out = {"ids": order, "source": source, "train_tokens": int(streams["train"].size), "val_coverage": cover}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out) + "\n")
     os.replace(tmp, out_path)
-    print(f"[vocab] {out_path}: {vocab} tokens ranked over {out['train_tokens']} training tokens; validation "
-          f"coverage of the top 512/1024/2048: {cover}", file=sys.stderr)
+    print(f"[vocab] {out_path}: {vocab} tokens ranked over {out['train_tokens']} training tokens; held-out "
+          f"coverage of the top N: {cover}", file=sys.stderr)
     return {"path": str(out_path), "val_coverage": cover, "train_tokens": out["train_tokens"]}
