@@ -237,6 +237,9 @@ class DecodeConfig(ConfigTable):
     max_new_tokens: int = 128
     stop_at_eos: bool = True
     lean_forward: bool = False  # mechanism lean_forward (host-overhead): fused, preallocated-KV forward
+    # Mechanism transposed-matmul: lean forward calls of up to this many rows multiply by a transposed copy of each
+    # weight (x @ W^T; 0 = off). Some CPU BLAS builds run few-row f32 matmuls faster that way; costs a second copy.
+    matmul_t_rows: int = 0
     cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
     # Batching mechanisms (decoder/batch.py; used by the batched engine only, all off in stock).
@@ -290,6 +293,10 @@ class DecodeConfig(ConfigTable):
             raise bad("max_new_tokens", f"use 1 to {MAX_NEW_TOKENS} (and fewer than the target's positions)")
         if self.cuda_graphs and not self.lean_forward:
             raise bad("cuda_graphs", "the static step is built on the lean forward; set lean_forward = true")
+        if not 0 <= self.matmul_t_rows <= 16:
+            raise bad("matmul_t_rows", "use 0 (off) to 16 rows")
+        if self.matmul_t_rows and not self.lean_forward:
+            raise bad("matmul_t_rows", "it changes the lean forward's matmuls; set lean_forward = true or use 0")
         if self.weight_format not in ("bf16", "w12"):
             raise bad("weight_format", "choose bf16 or w12")
         if self.weight_format == "w12" and self.lean_forward:

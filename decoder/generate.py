@@ -221,7 +221,7 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
     return Generation(new, stats)
 
 
-_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {cuda_graphs: lean runner}
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {(cuda_graphs, t_rows): runner}
 
 
 def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False,
@@ -258,9 +258,12 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
     def lean(m):
         # Built once per model and kept: fusing the projections copies every weight.
         per_model = _LEAN.setdefault(m, {})
-        if cfg.cuda_graphs not in per_model:
-            per_model[cfg.cuda_graphs] = StaticLeanLM(LeanLM(m)) if cfg.cuda_graphs else LeanLM(m)
-        return per_model[cfg.cuda_graphs]
+        key = (cfg.cuda_graphs, cfg.matmul_t_rows)
+        if key not in per_model:
+            runner = LeanLM(m)
+            runner.set_transposed_rows(cfg.matmul_t_rows)
+            per_model[key] = StaticLeanLM(runner) if cfg.cuda_graphs else runner
+        return per_model[key]
 
     if cfg.lean_forward:
         target = lean(target)

@@ -171,6 +171,23 @@ class LeanLM:
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].wgu.shape[0] // 2
+        self.t_rows, self._wt = 0, {}
+
+    def set_transposed_rows(self, rows: int) -> None:
+        """Mechanism transposed-matmul: calls of up to `rows` rows multiply by a contiguous transposed copy of each
+        weight (x @ W^T) instead of F.linear(x, W); 0 drops the copies. Same products, another summation order."""
+        self.t_rows = rows
+        self._wt = {}
+        if rows:
+            for w in [t for ly in self.layers for t in (ly.wqkv, ly.wo, ly.wgu, ly.wdown)] + [self.lm_head]:
+                self._wt[id(w)] = w.t().contiguous()
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] @ w [out, in]^T (+ b): F.linear, or the transposed copy at up to `t_rows` rows."""
+        if x.shape[0] <= self.t_rows:
+            y = x @ self._wt[id(w)]
+            return y if b is None else y + b
+        return F.linear(x, w, b)
 
     def new_cache(self, max_len: int | None = None) -> LeanCache:
         n = max_len or self.max_len
@@ -228,25 +245,25 @@ class LeanLM:
         cache keeps them and returns the attention output [T, H * hd] (with layer li's window)."""
         ly = self.layers[li]
         t = x.shape[0]
-        qkv = F.linear(self.norm(x, ly.ln1), ly.wqkv, ly.bqkv)  # [T, (H+2KV)*hd]
+        qkv = self.mm(self.norm(x, ly.ln1), ly.wqkv, ly.bqkv)  # [T, (H+2KV)*hd]
         q = qkv[:, : self.q_size].view(t, self.n_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.n_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.head_dim)
         if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
             q, k = self._rms(q, ly.q_norm), self._rms(k, ly.k_norm)
-        o = F.linear(attend(li, self.rope(q, cos, sin), self.rope(k, cos, sin), v), ly.wo, ly.bo)
+        o = self.mm(attend(li, self.rope(q, cos, sin), self.rope(k, cos, sin), v), ly.wo, ly.bo)
         if ly.post_attn is not None:
             o = self.norm(o, ly.post_attn)
         x = x + o
-        gu = F.linear(self.norm(x, ly.ln2), ly.wgu, ly.bgu)  # [T, 2I]
-        mlp = F.linear(self.act(gu[:, : self.inter]) * gu[:, self.inter :], ly.wdown, ly.bdown)
+        gu = self.mm(self.norm(x, ly.ln2), ly.wgu, ly.bgu)  # [T, 2I]
+        mlp = self.mm(self.act(gu[:, : self.inter]) * gu[:, self.inter :], ly.wdown, ly.bdown)
         if ly.post_mlp is not None:
             mlp = self.norm(mlp, ly.post_mlp)
         return x + mlp
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden rows [T, D] -> logits [T, V]."""
-        logits = F.linear(self.norm(x, self.final_norm), self.lm_head)
+        logits = self.mm(self.norm(x, self.final_norm), self.lm_head)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

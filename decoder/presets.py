@@ -26,6 +26,10 @@ PRESETS: dict[str, dict] = {
     "ar-lean": {"method": "ar", "lean_forward": True},
     "sd-draft-model-lean": {"lean_forward": True},
     "sd-ngram-lean": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True},
+    # Mechanism transposed-matmul: the lean methods with x @ W^T at up to 3 rows (AR steps, drafter steps, k <= 2).
+    "ar-lean-t": {"method": "ar", "lean_forward": True, "matmul_t_rows": 3},
+    "sd-draft-model-lean-t": {"lean_forward": True, "matmul_t_rows": 3},
+    "sd-ngram-lean-t": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True, "matmul_t_rows": 3},
     # Mechanism weight_format = "w12".
     "ar-w12": {"method": "ar", "weight_format": "w12"},
     "sd-draft-model-w12": {"weight_format": "w12"},

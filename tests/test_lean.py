@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import needs_demo, tiny_llama
 
-from decoder.config import DecodeConfig
+from decoder.config import ConfigError, DecodeConfig
 from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.generate import HFRunner, ar_generate, crop_cache, speculative_generate
 from decoder.lean import LeanLM, LeanUnsupported
@@ -120,3 +120,32 @@ def test_static_sd_token_identical_fp32(demo_fp32, demo_prompts):
         assert generate(cfg, demo_fp32[0], demo_prompts[0], demo_fp32[1]).tokens == ref, k
     with pytest.raises(ValueError, match="set lean_forward = true"):
         DecodeConfig(cuda_graphs=True)
+
+
+@torch.inference_mode()
+def test_transposed_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
+    """Mechanism transposed-matmul: calls of up to matmul_t_rows rows use x @ W^T (a transposed copy), wider ones
+    F.linear; logits agree within f32 rounding at every width, and SD through `generate` stays token-identical
+    to AR at widths on both sides of the cut."""
+    from decoder.generate import generate
+
+    model = tiny_fp32[0]
+    plain, t = LeanLM(model), LeanLM(model)
+    t.set_transposed_rows(3)
+    assert len(t._wt) == 4 * len(t.layers) + 1 and not plain._wt
+    p = torch.tensor(tiny_prompts[0])
+    c1, c2 = plain.new_cache(), t.new_cache()
+    for ids in (p[:-6], p[-6:-4], p[-4:-1], p[-1:]):  # widths >3, 2, 3, 1
+        a, b = plain.forward(ids, c1), t.forward(ids, c2)
+        assert (a - b).abs().max().item() <= 1e-4
+    t.set_transposed_rows(0)
+    assert not t._wt and torch.equal(t.forward(p, t.new_cache()), plain.forward(p, plain.new_cache()))
+    base = DecodeConfig(lean_forward=True, max_new_tokens=24, dtype="float32", stop_at_eos=False)
+    ref = generate(DecodeConfig(**{**base.as_dict(), "method": "ar"}), model, tiny_prompts[1], None).tokens
+    for rows, k in ((1, 1), (3, 2), (3, 4)):
+        cfg = DecodeConfig(**{**base.as_dict(), "drafter": "draft-model", "draft_len": k, "matmul_t_rows": rows})
+        assert generate(cfg, model, tiny_prompts[1], tiny_fp32[1]).tokens == ref, (rows, k)
+    with pytest.raises(ConfigError, match="matmul_t_rows = 3 is invalid: it changes the lean forward"):
+        DecodeConfig(matmul_t_rows=3)
+    with pytest.raises(ConfigError, match="use 0 \\(off\\) to 16 rows"):
+        DecodeConfig(lean_forward=True, matmul_t_rows=17)

@@ -311,8 +311,8 @@ def test_memory_configs_carry_what_their_mechanisms_require():
 
 
 def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
-    """With the lean forward on in the base (the only host-overhead mechanism on a CPU), host-overhead
-    gets no tuner agent, however large its gap; without a base it still does (the TUI's launch)."""
+    """With the lean forward and transposed matmuls on in the base (the host-overhead mechanisms on a CPU),
+    host-overhead gets no tuner agent, however large its gap; without a base it still does (the TUI's launch)."""
     from decoder.config import DecodeConfig
 
     repo = git.Repo(ws.path)
@@ -320,11 +320,11 @@ def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
     wt = ws.path.parent / "lean-base"
     repo.git.worktree("add", "-b", "lean-base", str(wt), "stock")
     try:
-        cfg.lean_forward = True
+        cfg.lean_forward, cfg.matmul_t_rows = True, 3
         cfg.save(wt / ws.config.config_file)
         lrepo = git.Repo(wt)
         lrepo.git.add(ws.config.config_file)
-        lrepo.index.commit("lean forward on")
+        lrepo.index.commit("lean forward and transposed matmuls on")
         base = lrepo.head.commit.hexsha
         bd = {"families": {"host-overhead": 3.0, "drafting": 1.0}, "gaps": []}
         loop = Loop(ws, LoopOptions(agents=2, use_global_memory=False))

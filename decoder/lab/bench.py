@@ -49,6 +49,9 @@ LEAN_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean")
 # the HF reference keeps bf16). Reference path on CPU (slower: it unpacks every forward), Triton on CUDA.
 # Not in the default set; ask with --methods. Speedups against ar-w12, like the lean methods.
 W12_METHODS = ("ar-w12", "sd-draft-model-w12", "sd-ngram-w12")
+# Mechanism transposed-matmul: the lean methods multiplying by transposed weights at up to 3 rows. Not in the
+# default set (a CPU float32 lever; ask with --methods); speedups against ar-lean-t, like the lean methods.
+T_METHODS = ("ar-lean-t", "sd-draft-model-lean-t", "sd-ngram-lean-t")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
@@ -61,10 +64,11 @@ HF_TREE_METHODS = ("sd-tree-hf", "sd-two-level-hf")
 FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-mtp-vocab", "sd-routed")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
-KNOWN_METHODS = ALL_METHODS + W12_METHODS
-DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "hf-assisted-draft-model",
+KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS
+DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
+                       "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
-VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12"}
+VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t"}
 
 
 def _baseline(name: str) -> str:
@@ -558,7 +562,8 @@ def run_bench(
             report_methods.append(peer_entry(entry, res.stats, None if own else check,
                                              peers.servers[name].spec.flags(), check if own else None))
             continue
-        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + TREE_METHODS + HF_TREE_METHODS \
+                + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry.target_tokens_per_token = round(res.stats.target_tokens / max(1, res.tokens), 4)
             entry.drafter_forwards_per_token = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
