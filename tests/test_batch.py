@@ -479,7 +479,7 @@ def tiny_models():
 
 
 BATCHED_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean", "sd-tree", "sd-two-level", "sd-dcut",
-                   "sd-block", "sd-mtp", "sd-routed")
+                   "sd-block", "sd-mtp", "sd-routed", "ar-lean-t", "sd-draft-model-lean-t")
 
 
 @pytest.mark.parametrize("name", BATCHED_METHODS)
@@ -496,7 +496,9 @@ def test_every_bench_method_is_lossless_batched(name, tiny_models):
     forwards = sum(g.stats.target_forwards for g in single)
     for b, ragged in itertools.product((1, 4, 8), (False, True)):
         cfg = preset_config(name, base, ragged_verify=ragged)
-        run = BatchEngine(target, cfg, b, drafter, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+        eng = BatchEngine(target, cfg, b, drafter, heads=heads)
+        run = eng.run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+        assert eng.target.lean.t_rows == cfg.matmul_t_rows  # mechanism transposed-matmul reaches the engine
         assert [r.tokens for r in run.results] == ref, (name, b, ragged)
         assert sum(r.stats.target_forwards for r in run.results) == forwards, (name, b, ragged)
     if name in ("sd-tree", "sd-two-level"):
