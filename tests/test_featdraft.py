@@ -508,3 +508,9 @@ def test_vocab_rank_from_a_chat_deployments_answers(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "outside the target's vocabulary" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "v2").exists()
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["train", "drafter", "--kind", "vocab", "--answers", str(f), "--out", str(blocker / "v.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "writable path" in err and len(err.strip().splitlines()) == 1

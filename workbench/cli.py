@@ -205,15 +205,16 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
             read_answers(answers)
         except (ValueError, OSError) as e:
             return fail(f"train drafter: {e}")
-    if args.kind == "router":
-        print(json.dumps(train_router(target, Path(args.out) if args.out else None, seed=args.seed)))
-        return 0
-    if args.kind == "vocab":
+    if args.kind in ("router", "vocab"):
+        out = Path(args.out) if args.out else None
         try:
-            print(json.dumps(train_vocab_rank(target, Path(args.out) if args.out else None, answers=answers,
-                                              seed=args.seed)))
+            print(json.dumps(train_router(target, out, seed=args.seed) if args.kind == "router" else
+                             train_vocab_rank(target, out, answers=answers, seed=args.seed)))
         except ValueError as e:
             return fail(f"train drafter: {e}")
+        except OSError as e:
+            return fail(f"train drafter: cannot write {e.filename or args.out}: {e.strerror or e}; give --out a "
+                        f"writable path")
         return 0
     # The committed demo recipe: block 3500 steps; MTP 6 heads, 8000 steps (cheap per step).
     spec = DrafterSpec(kind=args.kind, seed=args.seed, steps=3500 if args.kind == "block" else 8000,
