@@ -8,6 +8,7 @@ from memory as in a real forward, not from cache), each width 1..N as
   linear   F.linear(x, W)                         (what the lean forward does)
   xWt      x @ W^T with W^T stored contiguous     (the other memory layout)
   pad4     F.linear on x padded with zero rows up to a multiple of 4
+  mkldnn   oneDNN's linear with the weight prepacked (torch.utils.mkldnn), x converted in and out each call
 
 (the LM head over every row included, as a verify scores every drafted position)
 and prints ms per forward's matmuls (the fastest of --repeats passes) and JSON with --out.
@@ -24,10 +25,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils.mkldnn
 
 from decoder.models import ModelLoadError, model_config, smollm2_deployment
 
-MODES = ("linear", "xWt", "pad4")
+MODES = ("linear", "xWt", "pad4", "mkldnn")
 
 
 def layer_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -39,36 +41,46 @@ def layer_shapes(cfg: dict) -> list[tuple[int, int]]:
     return [((heads + 2 * kv) * hd, d), (d, heads * hd), (2 * inter, d), (d, inter)]
 
 
+def _mkldnn_linear(w: torch.Tensor) -> torch.nn.Module:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+    lin.weight.data = w
+    return torch.utils.mkldnn.to_mkldnn(lin)
+
+
 def measure(cfg: dict, dtype: torch.dtype, widths: int, repeats: int) -> dict:
     layers = int(cfg["num_hidden_layers"])
     shapes = layer_shapes(cfg)
     ws = [[torch.randn(o, i, dtype=dtype) for (o, i) in shapes] for _ in range(layers)]
     ws.append([torch.randn(int(cfg["vocab_size"]), int(cfg["hidden_size"]), dtype=dtype)])  # the LM head
     wts = [[w.t().contiguous() for w in lw] for lw in ws]
+    packed = [[_mkldnn_linear(w) for w in lw] for lw in ws] if torch.backends.mkldnn.is_available() else None
 
     def one(m: int, mode: str) -> float:
         xs = {i: torch.randn(m, i, dtype=dtype) for (_, i) in shapes + [(0, int(cfg["hidden_size"]))]}
         pad = {i: torch.cat([x, x.new_zeros(-m % 4, i)]) for i, x in xs.items()}
         t = time.perf_counter()
-        for lw, lwt in zip(ws, wts, strict=True):
-            for w, wt in zip(lw, lwt, strict=True):
+        for li, (lw, lwt) in enumerate(zip(ws, wts, strict=True)):
+            for j, (w, wt) in enumerate(zip(lw, lwt, strict=True)):
                 if mode == "linear":
                     torch.nn.functional.linear(xs[w.shape[1]], w)
                 elif mode == "xWt":
                     xs[w.shape[1]] @ wt
-                else:
+                elif mode == "pad4":
                     torch.nn.functional.linear(pad[w.shape[1]], w)
+                else:
+                    packed[li][j](xs[w.shape[1]].to_mkldnn()).to_dense()
         return time.perf_counter() - t
 
-    out: dict = {mode: {} for mode in MODES}
+    modes = [m for m in MODES if m != "mkldnn" or packed is not None]
+    out: dict = {mode: {} for mode in modes}
     with torch.inference_mode():
         for m in range(1, widths + 1):
-            for mode in MODES:
+            for mode in modes:
                 one(m, mode)  # warm
-            best = {mode: min(one(m, mode) for _ in range(repeats)) for mode in MODES}
-            for mode in MODES:
+            best = {mode: min(one(m, mode) for _ in range(repeats)) for mode in modes}
+            for mode in modes:
                 out[mode][str(m)] = round(1e3 * best[mode], 2)
-            print(f"w{m}: " + "  ".join(f"{mode} {out[mode][str(m)]:6.1f} ms" for mode in MODES), file=sys.stderr,
+            print(f"w{m}: " + "  ".join(f"{mode} {out[mode][str(m)]:6.1f} ms" for mode in modes), file=sys.stderr,
                   flush=True)
     return out
 
