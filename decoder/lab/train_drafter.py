@@ -209,6 +209,12 @@ def read_answers(path: Path) -> list[dict]:
     return rows
 
 
+def answer_split(rows: list[dict], seed: int, held: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows of an answers file: the first `held` of a seeded shuffle are held out."""
+    order = np.random.default_rng([seed, 9]).permutation(len(rows))
+    return [rows[i] for i in order[held:]], [rows[i] for i in order[:held]]
+
+
 def build_answer_data(target, target_dir: Path, work: Path, spec: DrafterSpec, layers: tuple[int, ...]) -> dict:
     """Stage 1-2 from a chat deployment's own answers (`spec.answers`): each row is its prompt (chat template
     rendered, tokenised as the harness does) and the target's greedy answer; the features come from one
@@ -225,9 +231,8 @@ def build_answer_data(target, target_dir: Path, work: Path, spec: DrafterSpec, l
     if len(rows) <= spec.val_sequences:
         raise ValueError(f"--answers {spec.answers}: {len(rows)} answers of at least {need} tokens; need more than "
                          f"the {spec.val_sequences} held out")
-    order = np.random.default_rng([spec.seed, 9]).permutation(len(rows))
-    splits = {"train": [rows[i] for i in order[spec.val_sequences:][: spec.train_sequences]],
-              "val": [rows[i] for i in order[: spec.val_sequences]]}
+    train, val = answer_split(rows, spec.seed, spec.val_sequences)
+    splits = {"train": train[: spec.train_sequences], "val": val}
     t_len, p_len = spec.prefix_len + spec.gen_len, spec.prefix_len
     lay = "-".join(map(str, layers))
     digest = hashlib.sha256(Path(spec.answers).read_bytes()).hexdigest()[:12]
@@ -544,8 +549,10 @@ def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upwei
     """The token frequency ranking a pruned drafter head reads (`draft_vocab`): every token id of the target's
     vocabulary, most frequent first (ties by id), and the share of held-out tokens that the top 512 ... 8192
     cover. Counted over the training split of the corpus, or with `answers` (a chat deployment's own answers,
-    as `train drafter --answers`) over its answer tokens, the same rows held out as the MTP heads' validation
-    (the first `val_sequences` of the seeded shuffle). Written to `<target>/drafters/vocab_rank.json`."""
+    as `train drafter --answers`) over its answer tokens, held out the way the MTP heads' validation is
+    (`answer_split`: the first `val_sequences` of a seeded shuffle; here over every row, there after too-short
+    answers are dropped).
+    Written to `<target>/drafters/vocab_rank.json`."""
     from decoder.models import model_config
 
     target_dir = Path(target_dir)
@@ -556,11 +563,10 @@ def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upwei
         held = DrafterSpec().val_sequences
         if len(rows) <= held:
             raise ValueError(f"--answers {answers}: {len(rows)} answers; need more than the {held} held out")
-        order_rows = np.random.default_rng([seed, 9]).permutation(len(rows))
-        split = {"val": order_rows[:held], "train": order_rows[held:]}
-        streams = {k: np.asarray([t for i in idx for t in rows[i]["tokens"]], dtype=np.int64)
-                   for k, idx in split.items()}
-        source = f"answer token counts of {Path(answers).resolve()} ({len(split['train'])} rows; {held} held out)"
+        train, val = answer_split(rows, seed, held)
+        streams = {k: np.asarray([t for r in part for t in r["tokens"]], dtype=np.int64)
+                   for k, part in (("train", train), ("val", val))}
+        source = f"answer token counts of {Path(answers).resolve()} ({len(train)} rows; {held} held out)"
     else:
         streams = corpus_streams(target_dir, data_dir() / "drafters" / f"vocab-{target_dir.name}", prose_upweight)
         source = "corpus train split token counts (decoder/lab/corpus.py)"
