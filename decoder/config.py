@@ -23,6 +23,7 @@ FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "verify": "chain", "dcut"
 # row per branch, decoder/runners.py); decoder/capabilities.py decides which a model allows.
 TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "cuda_graphs": False, "temperature": 0.0}
 DTYPES = ("bfloat16", "float32", "float16")
+MATMUL_BACKENDS = ("torch", "onednn")  # mechanism onednn-matmul: whose kernels the lean forward's matmuls run
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
 MAX_NEW_TOKENS = 65536  # per request; a model's own position limit (max_position_embeddings) is usually lower
@@ -240,6 +241,9 @@ class DecodeConfig(ConfigTable):
     # Mechanism transposed-matmul: lean forward calls of up to this many rows multiply by a transposed copy of each
     # weight (x @ W^T; 0 = off). Some CPU BLAS builds run few-row f32 matmuls faster that way; costs a second copy.
     matmul_t_rows: int = 0
+    # Mechanism onednn-matmul: "onednn" = the lean forward's matmuls on weights packed once for oneDNN's linear
+    # (CPU; nearly flat cost from 1 to 16 rows where float32 F.linear is not). Stock "torch" = F.linear.
+    matmul_backend: str = "torch"
     cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
     # Batching mechanisms (decoder/batch.py; used by the batched engine only, all off in stock).
@@ -297,6 +301,13 @@ class DecodeConfig(ConfigTable):
             raise bad("matmul_t_rows", "use 0 (off) to 16 rows")
         if self.matmul_t_rows and not self.lean_forward:
             raise bad("matmul_t_rows", "it changes the lean forward's matmuls; set lean_forward = true or use 0")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise bad("matmul_backend", f"choose one of {', '.join(MATMUL_BACKENDS)}")
+        if self.matmul_backend != "torch" and not self.lean_forward:
+            raise bad("matmul_backend", "it changes the lean forward's matmuls; set lean_forward = true or use "
+                                        "\"torch\"")
+        if self.matmul_backend == "onednn" and self.device != "cpu":
+            raise bad("matmul_backend", "oneDNN runs on the CPU; use \"torch\" on " + repr(self.device))
         if self.weight_format not in ("bf16", "w12"):
             raise bad("weight_format", "choose bf16 or w12")
         if self.weight_format == "w12" and self.lean_forward:

@@ -258,10 +258,11 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
     def lean(m):
         # Built once per model and kept: fusing the projections copies every weight.
         per_model = _LEAN.setdefault(m, {})
-        key = (cfg.cuda_graphs, cfg.matmul_t_rows)
+        key = (cfg.cuda_graphs, cfg.matmul_t_rows, cfg.matmul_backend)
         if key not in per_model:
             runner = LeanLM(m)
             runner.set_transposed_rows(cfg.matmul_t_rows)
+            runner.set_matmul_backend(cfg.matmul_backend)
             per_model[key] = StaticLeanLM(runner) if cfg.cuda_graphs else runner
         return per_model[key]
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from decoder.archs import SUPPORTED, lean_unsupported_reason  # noqa: F401 (re-exported)
 from decoder.archs import activation_name as _activation_name
 from decoder.archs import layer_windows as _layer_windows
+from decoder.config import MATMUL_BACKENDS
 
 # hidden_act / hidden_activation -> the function HF's ACT2FN entry computes
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # keyed by archs.ACTIVATION_NAMES
@@ -35,6 +36,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # keyed by a
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 # attend(layer, q [T, H, hd], k [T, KV, hd], v [T, KV, hd]) -> [T, H * hd]: a forward's cache and mask
+# Mechanism onednn-matmul: the row count oneDNN packs the weights for (any row count runs; measured on this CPU,
+# SmolLM2 f32: packing for 4 or 16 rows gave the same ~30-40 ms per forward's matmuls at 1 to 8 rows).
+ONEDNN_PACK_ROWS = 16
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -172,6 +176,33 @@ class LeanLM:
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].wgu.shape[0] // 2
         self.t_rows, self._wt = 0, {}
+        self.matmul_backend, self._packed = "torch", {}
+
+    def _matmul_weights(self) -> list[torch.Tensor]:
+        """Every weight `mm` multiplies by: fused QKV, O, gate/up and down of each layer, then the LM head."""
+        return [t for ly in self.layers for t in (ly.wqkv, ly.wo, ly.wgu, ly.wdown)] + [self.lm_head]
+
+    def set_matmul_backend(self, backend: str) -> None:
+        """Mechanism onednn-matmul: "onednn" packs every weight once into oneDNN's blocked layout and multiplies
+        with its linear primitive (bias fused), whose cost on a CPU is nearly flat from 1 to 16 rows where
+        F.linear's float32 few-row matmuls are not; "torch" (stock) drops the packed copies. Same products,
+        another summation order (float32: within ~1e-6 of F.linear; forcing judges any changed token)."""
+        if backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul backend {backend!r}: choose one of {', '.join(MATMUL_BACKENDS)}")
+        packed = {}
+        if backend == "onednn":
+            if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+                raise LeanUnsupported(f"lean forward: matmul_backend = \"onednn\" needs a CPU target and a torch "
+                                      f"build with oneDNN (this one: {self.device.type}, oneDNN "
+                                      f"{'available' if torch.backends.mkldnn.is_available() else 'absent'}); "
+                                      f"use \"torch\"")
+            if self.dtype not in (torch.float32, torch.bfloat16):
+                raise LeanUnsupported(f"lean forward: matmul_backend = \"onednn\" packs float32 or bfloat16 "
+                                      f"weights, not {self.dtype}; use \"torch\"")
+            with torch.no_grad():
+                for w in self._matmul_weights():
+                    packed[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+        self.matmul_backend, self._packed = backend, packed
 
     def set_transposed_rows(self, rows: int) -> None:
         """Mechanism transposed-matmul: calls of up to `rows` rows multiply by a contiguous transposed copy of each
@@ -179,14 +210,17 @@ class LeanLM:
         self.t_rows = rows
         self._wt = {}
         if rows:
-            for w in [t for ly in self.layers for t in (ly.wqkv, ly.wo, ly.wgu, ly.wdown)] + [self.lm_head]:
+            for w in self._matmul_weights():
                 self._wt[id(w)] = w.t().contiguous()
 
     def mm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] @ w [out, in]^T (+ b): F.linear, or the transposed copy at up to `t_rows` rows."""
+        """x [T, in] @ w [out, in]^T (+ b): the transposed copy at up to `t_rows` rows, else oneDNN's packed
+        weight when the backend is "onednn", else F.linear."""
         if x.shape[0] <= self.t_rows:
             y = x @ self._wt[id(w)]
             return y if b is None else y + b
+        if self._packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed[id(w)], b, "none", [], "")
         return F.linear(x, w, b)
 
     def new_cache(self, max_len: int | None = None) -> LeanCache:

@@ -30,6 +30,11 @@ PRESETS: dict[str, dict] = {
     "ar-lean-t": {"method": "ar", "lean_forward": True, "matmul_t_rows": 3},
     "sd-draft-model-lean-t": {"lean_forward": True, "matmul_t_rows": 3},
     "sd-ngram-lean-t": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True, "matmul_t_rows": 3},
+    # Mechanism onednn-matmul: the lean methods (and the MTP ones) with the matmuls on oneDNN's packed weights.
+    "ar-lean-dnn": {"method": "ar", "lean_forward": True, "matmul_backend": "onednn"},
+    "sd-draft-model-lean-dnn": {"lean_forward": True, "matmul_backend": "onednn"},
+    "sd-ngram-lean-dnn": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                          "matmul_backend": "onednn"},
     # Mechanism weight_format = "w12".
     "ar-w12": {"method": "ar", "weight_format": "w12"},
     "sd-draft-model-w12": {"weight_format": "w12"},
@@ -46,6 +51,9 @@ PRESETS: dict[str, dict] = {
     "sd-mtp": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN},
     "sd-mtp-vocab": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "draft_vocab": 1024},
     "sd-routed": {"lean_forward": True, "drafter": "routed", "draft_len": MTP_DRAFT_LEN},
+    "sd-mtp-dnn": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "matmul_backend": "onednn"},
+    "sd-mtp-vocab-dnn": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "draft_vocab": 1024,
+                         "matmul_backend": "onednn"},
 }
 
 

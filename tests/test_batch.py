@@ -479,7 +479,8 @@ def tiny_models():
 
 
 BATCHED_METHODS = ("ar-lean", "sd-draft-model-lean", "sd-ngram-lean", "sd-tree", "sd-two-level", "sd-dcut",
-                   "sd-block", "sd-mtp", "sd-routed", "ar-lean-t", "sd-draft-model-lean-t")
+                   "sd-block", "sd-mtp", "sd-routed", "ar-lean-t", "sd-draft-model-lean-t", "ar-lean-dnn",
+                   "sd-draft-model-lean-dnn", "sd-mtp-dnn")
 
 
 @pytest.mark.parametrize("name", BATCHED_METHODS)
@@ -499,6 +500,7 @@ def test_every_bench_method_is_lossless_batched(name, tiny_models):
         eng = BatchEngine(target, cfg, b, drafter, heads=heads)
         run = eng.run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
         assert eng.target.lean.t_rows == cfg.matmul_t_rows  # mechanism transposed-matmul reaches the engine
+        assert eng.target.lean.matmul_backend == cfg.matmul_backend  # and onednn-matmul
         assert [r.tokens for r in run.results] == ref, (name, b, ragged)
         assert sum(r.stats.target_forwards for r in run.results) == forwards, (name, b, ragged)
     if name in ("sd-tree", "sd-two-level"):

@@ -1,5 +1,7 @@
 """Mechanism lean_forward: the compact forward against the Hugging Face path it replaces."""
 
+import copy
+
 import pytest
 import torch
 from conftest import needs_demo, tiny_llama
@@ -149,3 +151,40 @@ def test_transposed_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_promp
         DecodeConfig(matmul_t_rows=3)
     with pytest.raises(ConfigError, match="use 0 \\(off\\) to 16 rows"):
         DecodeConfig(lean_forward=True, matmul_t_rows=17)
+
+
+@torch.inference_mode()
+def test_onednn_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
+    """Mechanism onednn-matmul: every lean matmul on a weight packed once for oneDNN; logits agree with F.linear's
+    within f32 rounding at every width, "torch" drops the packed copies, SD through `generate` stays
+    token-identical to AR (also beside transposed-matmul, which takes the calls of up to its rows), and bad
+    values are one-line errors."""
+    from decoder.generate import generate
+
+    model = tiny_fp32[0]
+    plain, dnn = LeanLM(model), LeanLM(model)
+    dnn.set_matmul_backend("onednn")
+    assert dnn.matmul_backend == "onednn" and len(dnn._packed) == 4 * len(dnn.layers) + 1 and not plain._packed
+    p = torch.tensor(tiny_prompts[0])
+    c1, c2 = plain.new_cache(), dnn.new_cache()
+    for ids in (p[:-6], p[-6:-4], p[-4:-1], p[-1:]):  # widths >3, 2, 3, 1
+        assert (plain.forward(ids, c1) - dnn.forward(ids, c2)).abs().max().item() <= 1e-4
+    dnn.set_matmul_backend("torch")
+    assert not dnn._packed and torch.equal(dnn.forward(p, dnn.new_cache()), plain.forward(p, plain.new_cache()))
+    with pytest.raises(ValueError, match="matmul backend 'mkl': choose one of torch, onednn"):
+        dnn.set_matmul_backend("mkl")
+    half = LeanLM(copy.deepcopy(tiny_fp32[1]).to(torch.float16))
+    with pytest.raises(LeanUnsupported, match="packs float32 or bfloat16 weights, not torch.float16"):
+        half.set_matmul_backend("onednn")
+    base = DecodeConfig(lean_forward=True, max_new_tokens=24, dtype="float32", stop_at_eos=False)
+    ref = generate(DecodeConfig(**{**base.as_dict(), "method": "ar"}), model, tiny_prompts[1], None).tokens
+    for rows, k in ((0, 1), (0, 4), (1, 4)):
+        cfg = DecodeConfig(**{**base.as_dict(), "drafter": "draft-model", "draft_len": k, "matmul_t_rows": rows,
+                              "matmul_backend": "onednn"})
+        assert generate(cfg, model, tiny_prompts[1], tiny_fp32[1]).tokens == ref, (rows, k)
+    with pytest.raises(ConfigError, match="matmul_backend = 'onednn' is invalid: it changes the lean forward"):
+        DecodeConfig(matmul_backend="onednn")
+    with pytest.raises(ConfigError, match="matmul_backend = 'mkl' is invalid: choose one of torch, onednn"):
+        DecodeConfig(lean_forward=True, matmul_backend="mkl")
+    with pytest.raises(ConfigError, match="oneDNN runs on the CPU; use \"torch\" on 'cuda'"):
+        DecodeConfig(lean_forward=True, matmul_backend="onednn", device="cuda")

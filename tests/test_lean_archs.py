@@ -108,20 +108,25 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", ARCHS)
 @torch.inference_mode()
 def test_logits_match_hf(name):
-    """Full sequence, then through the cache (prefill past the window, steps of 1 and 4): LeanLM and the
-    static step (CUDA-graph path, eager here) equal HF's logits in fp32."""
+    """Full sequence, then through the cache (prefill past the window, steps of 1 and 4): LeanLM, the
+    static step (CUDA-graph path, eager here) and LeanLM on oneDNN's packed weights (mechanism onednn-matmul,
+    biases fused) equal HF's logits in fp32."""
     model = _model(name)
     assert lean_unsupported_reason(model.config) is None
     lean = LeanLM(model, max_len=64)
+    dnn = LeanLM(model, max_len=64)
+    dnn.set_matmul_backend("onednn")
+    assert len(dnn._packed) == 4 * len(dnn.layers) + 1
     ids = _prompt(30)
     assert _diff(lean.forward(ids, lean.new_cache()), model(ids[None]).logits[0]) <= TOL
     hf = HFRunner(model)
     static = StaticLeanLM(LeanLM(model, max_len=64), max_len=64, use_graphs=False)
-    c_hf, c_lean, c_static = hf.new_cache(), lean.new_cache(), static.new_cache()
+    c_hf, c_lean, c_static, c_dnn = hf.new_cache(), lean.new_cache(), static.new_cache(), dnn.new_cache()
     for a, b in ((0, 20), (20, 21), (21, 25), (25, 26), (26, 30)):
         ref = hf.forward(ids[a:b], c_hf)
         assert _diff(lean.forward(ids[a:b], c_lean), ref) <= TOL, (a, b)
         assert _diff(static.forward(ids[a:b], c_static), ref) <= TOL, (a, b)
+        assert _diff(dnn.forward(ids[a:b], c_dnn), ref) <= TOL, (a, b)
 
 
 @pytest.mark.parametrize("name", SLIDING)

@@ -320,11 +320,11 @@ def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
     wt = ws.path.parent / "lean-base"
     repo.git.worktree("add", "-b", "lean-base", str(wt), "stock")
     try:
-        cfg.lean_forward, cfg.matmul_t_rows = True, 3
+        cfg.lean_forward, cfg.matmul_t_rows, cfg.matmul_backend = True, 3, "onednn"
         cfg.save(wt / ws.config.config_file)
         lrepo = git.Repo(wt)
         lrepo.git.add(ws.config.config_file)
-        lrepo.index.commit("lean forward and transposed matmuls on")
+        lrepo.index.commit("lean forward, transposed and oneDNN matmuls on")
         base = lrepo.head.commit.hexsha
         bd = {"families": {"host-overhead": 3.0, "drafting": 1.0}, "gaps": []}
         loop = Loop(ws, LoopOptions(agents=2, use_global_memory=False))

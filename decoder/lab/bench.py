@@ -52,6 +52,10 @@ W12_METHODS = ("ar-w12", "sd-draft-model-w12", "sd-ngram-w12")
 # Mechanism transposed-matmul: the lean methods multiplying by transposed weights at up to 3 rows. Not in the
 # default set (a CPU float32 lever; ask with --methods); speedups against ar-lean-t, like the lean methods.
 T_METHODS = ("ar-lean-t", "sd-draft-model-lean-t", "sd-ngram-lean-t")
+# Mechanism onednn-matmul: the lean methods and the MTP ones with the lean forward's matmuls on oneDNN's packed
+# weights (CPU). Not in the default set (ask with --methods); speedups against ar-lean-dnn, so ar-lean-dnn beside
+# ar-lean is the forward's own gain and the others' ratio is speculation's alone.
+DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-ngram-lean-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
@@ -64,11 +68,18 @@ HF_TREE_METHODS = ("sd-tree-hf", "sd-two-level-hf")
 FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-mtp-vocab", "sd-routed")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
-KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS
+KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
+                       "sd-draft-model-lean-dnn",
                        "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
-VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t"}
+VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn"}
+
+
+def feature_base(name: str) -> str | None:
+    """The feature method `name` runs (sd-mtp-vocab-dnn -> sd-mtp-vocab), None for any other method."""
+    base = name.removesuffix("-dnn")
+    return base if base in FEATURE_METHODS else None
 
 
 def _baseline(name: str) -> str:
@@ -120,6 +131,7 @@ class FeatureSettings:
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
 
     def overrides(self, name: str) -> dict:
+        name = feature_base(name) or name
         if name == "sd-block":
             return {"draft_len": self.block_draft_len}
         if name == "sd-mtp":
@@ -384,10 +396,10 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         why = None
         if name in DRAFT_MODEL_METHODS and drafter_dir is None:
             why = "needs a draft model (--drafter DIR)"
-        elif name in FEATURE_METHODS and (missing := _missing_heads(name, heads_root, feature)):
+        elif feature_base(name) and (missing := _missing_heads(feature_base(name), heads_root, feature)):
             why = (f"no {missing} at {heads_root}; train it with `specpilot train drafter --kind "
                    f"{missing.split()[0]} --target {target_dir}`")
-        elif name == "sd-mtp-vocab" and not (heads_root / VOCAB_RANK_FILE).exists():
+        elif feature_base(name) == "sd-mtp-vocab" and not (heads_root / VOCAB_RANK_FILE).exists():
             why = (f"no token ranking at {heads_root / VOCAB_RANK_FILE}; make it with `specpilot train drafter "
                    f"--kind vocab --target {target_dir}`")
         elif name in ("hf-assisted-draft-model", "hf-prompt-lookup") and recurrent_layers(target_cfg):
@@ -469,14 +481,14 @@ def run_bench(
         target_dir, drafter_dir, needs_drafter, prompts_spec, prompt_dir, limit, dtype, device)
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     heads = None
-    if any(m in FEATURE_METHODS for m in methods):
+    if any(feature_base(m) for m in methods):
         from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 
         root = Path(feature.drafters) if feature.drafters else drafters_dir(target_dir)
         heads = FeatureHeads(root, target.config, target.dtype, target.device)
         try:  # load now: a missing drafter is a usage error, not a crash mid-bench
-            wanted = {m.removeprefix("sd-").removesuffix("-vocab") for m in methods
-                      if m in ("sd-block", "sd-mtp", "sd-mtp-vocab")}
+            wanted = {feature_base(m).removeprefix("sd-").removesuffix("-vocab") for m in methods
+                      if feature_base(m) in ("sd-block", "sd-mtp", "sd-mtp-vocab")}
             if "sd-routed" in methods:
                 wanted |= {r for r in (feature.route_code, feature.route_prose) if r in ("block", "mtp")}
                 heads.router()
@@ -562,8 +574,8 @@ def run_bench(
             report_methods.append(peer_entry(entry, res.stats, None if own else check,
                                              peers.servers[name].spec.flags(), check if own else None))
             continue
-        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + TREE_METHODS + HF_TREE_METHODS \
-                + FEATURE_METHODS:
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + TREE_METHODS \
+                + HF_TREE_METHODS + FEATURE_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry.target_tokens_per_token = round(res.stats.target_tokens / max(1, res.tokens), 4)
             entry.drafter_forwards_per_token = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
@@ -574,9 +586,9 @@ def run_bench(
             # Drafting time per verify step (the drafter's calls, and for feature drafters their context update).
             entry.draft_ms_per_step = (round(1000 * res.stats.phase_s.get("draft", 0.0) / res.stats.draft_steps, 4)
                                        if res.stats.draft_steps else None)
-            if name in FEATURE_METHODS:
+            if feature_base(name):
                 entry.draft_len = (feature.block_draft_len if name == "sd-block" else
-                                   feature.mtp_draft_len if name in ("sd-mtp", "sd-mtp-vocab") else None)
+                                   feature.mtp_draft_len if feature_base(name) in ("sd-mtp", "sd-mtp-vocab") else None)
                 if name == "sd-routed":
                     entry.extra["routes"] = dict(sorted(res.stats.routes.items()))
                     entry.extra["route_us_per_request"] = round(1e6 * res.stats.route_s / max(1, len(res.outputs)),
@@ -623,7 +635,7 @@ def run_bench(
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
                    "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens,
                    **({"tree": asdict(tree)} if any(m in TREE_METHODS + HF_TREE_METHODS for m in methods) else {}),
-                   **({"feature": asdict(feature)} if any(m in FEATURE_METHODS for m in methods) else {})},
+                   **({"feature": asdict(feature)} if any(feature_base(m) for m in methods) else {})},
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         **({"peers": peers.info()} if peers is not None else {}),

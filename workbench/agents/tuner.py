@@ -54,7 +54,7 @@ class Candidate:
 
 
 TORCH = CONTRACTS["torch"]
-SWITCH_OFF = (False, "chain", "bf16", "", "none")  # a key at one of these values has its mechanism switched off
+SWITCH_OFF = (False, "chain", "bf16", "torch", "", "none")  # a key at one of these values: its mechanism is off
 
 
 def _grid(name: str, rng: random.Random, contract: Contract = TORCH) -> list[dict]:
