@@ -9,6 +9,8 @@ from memory as in a real forward, not from cache), each width 1..N as
   xWt      x @ W^T with W^T stored contiguous     (the other memory layout)
   pad4     F.linear on x padded with zero rows up to a multiple of 4
   mkldnn   oneDNN's linear with the weight prepacked (torch.utils.mkldnn), x converted in and out each call
+  onednn   what mechanism onednn-matmul runs (LeanLM.set_matmul_backend): the weight packed once for
+           ONEDNN_PACK_ROWS rows (torch.ops.mkldnn._reorder_linear_weight), dense x in and out
 
 (the LM head over every row included, as a verify scores every drafted position)
 and prints ms per forward's matmuls (the fastest of --repeats passes) and JSON with --out.
@@ -27,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.utils.mkldnn
 
+from decoder.lean import ONEDNN_PACK_ROWS
 from decoder.models import ModelLoadError, model_config, smollm2_deployment
 
-MODES = ("linear", "xWt", "pad4", "mkldnn")
+MODES = ("linear", "xWt", "pad4", "mkldnn", "onednn")
 
 
 def layer_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -53,7 +56,10 @@ def measure(cfg: dict, dtype: torch.dtype, widths: int, repeats: int) -> dict:
     ws = [[torch.randn(o, i, dtype=dtype) for (o, i) in shapes] for _ in range(layers)]
     ws.append([torch.randn(int(cfg["vocab_size"]), int(cfg["hidden_size"]), dtype=dtype)])  # the LM head
     wts = [[w.t().contiguous() for w in lw] for lw in ws]
-    packed = [[_mkldnn_linear(w) for w in lw] for lw in ws] if torch.backends.mkldnn.is_available() else None
+    dnn = torch.backends.mkldnn.is_available()
+    packed = [[_mkldnn_linear(w) for w in lw] for lw in ws] if dnn else None
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    reordered = [[reorder(w, ONEDNN_PACK_ROWS) for w in lw] for lw in ws] if dnn else None
 
     def one(m: int, mode: str) -> float:
         xs = {i: torch.randn(m, i, dtype=dtype) for (_, i) in shapes + [(0, int(cfg["hidden_size"]))]}
@@ -67,11 +73,13 @@ def measure(cfg: dict, dtype: torch.dtype, widths: int, repeats: int) -> dict:
                     xs[w.shape[1]] @ wt
                 elif mode == "pad4":
                     torch.nn.functional.linear(pad[w.shape[1]], w)
-                else:
+                elif mode == "mkldnn":
                     packed[li][j](xs[w.shape[1]].to_mkldnn()).to_dense()
+                else:
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], reordered[li][j], None, "none", [], "")
         return time.perf_counter() - t
 
-    modes = [m for m in MODES if m != "mkldnn" or packed is not None]
+    modes = [m for m in MODES if m not in ("mkldnn", "onednn") or dnn]
     out: dict = {mode: {} for mode in modes}
     with torch.inference_mode():
         for m in range(1, widths + 1):

@@ -55,7 +55,8 @@ T_METHODS = ("ar-lean-t", "sd-draft-model-lean-t", "sd-ngram-lean-t")
 # Mechanism onednn-matmul: the lean methods and the MTP ones with the lean forward's matmuls on oneDNN's packed
 # weights (CPU). Not in the default set (ask with --methods); speedups against ar-lean-dnn, so ar-lean-dnn beside
 # ar-lean is the forward's own gain and the others' ratio is speculation's alone.
-DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-ngram-lean-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn")
+DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-ngram-lean-dnn", "sd-tree-dnn", "sd-two-level-dnn",
+               "sd-dcut-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
@@ -70,10 +71,16 @@ HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
-                       "sd-draft-model-lean-dnn",
+                       "sd-draft-model-lean-dnn", "sd-tree-dnn", "sd-two-level-dnn", "sd-dcut-dnn",
                        "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
 VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn"}
+
+
+def tree_base(name: str) -> str | None:
+    """The verification method `name` runs (sd-tree-dnn -> sd-tree, sd-tree-hf -> sd-tree), None for others."""
+    base = name.removesuffix("-dnn").removesuffix("-hf")
+    return base if base in TREE_METHODS else None
 
 
 def feature_base(name: str) -> str | None:
@@ -108,7 +115,7 @@ class TreeSettings:
 
     def overrides(self, name: str) -> dict:
         """The DecodeConfig keys these flags set for method `name`."""
-        name = name.removesuffix("-hf")  # the HF-path variants take the same flags
+        name = tree_base(name) or name  # the HF-path and oneDNN variants take the same flags
         if name == "sd-tree":
             return {"tree_shape": self.tree_shape, "tree_topk": self.tree_topk, "tree_depth": self.tree_depth,
                     "tree_budget": self.tree_budget}
@@ -600,10 +607,10 @@ def run_bench(
             entry.draft_len = (draft_len if name.startswith("sd-draft-model") else
                                ngram_draft_len if name.startswith("sd-ngram") else
                                bench.config(name).draft_len
-                               if name in ("sd-two-level", "sd-dcut", "sd-two-level-hf") else None)
-            if name in TREE_METHODS + HF_TREE_METHODS:
+                               if tree_base(name) in ("sd-two-level", "sd-dcut") else None)
+            if tree_base(name):
                 c = bench.config(name)
-                base = name.removesuffix("-hf")
+                base = tree_base(name)
                 entry.extra["mechanism_config"] = (
                     {"verify": "tree", "tree_shape": c.tree_shape, "tree_topk": c.tree_topk,
                      "tree_depth": c.tree_depth, "tree_budget": c.tree_budget} if base == "sd-tree" else
@@ -634,7 +641,7 @@ def run_bench(
         "drafter": str(drafter_dir) if drafter_dir else None,
         "config": {"draft_len": draft_len, "ngram_draft_len": ngram_draft_len, "ngram_max": ngram_max,
                    "ngram_min": ngram_min, "hf_prompt_lookup_num_tokens": bench.hf_prompt_lookup_tokens,
-                   **({"tree": asdict(tree)} if any(m in TREE_METHODS + HF_TREE_METHODS for m in methods) else {}),
+                   **({"tree": asdict(tree)} if any(tree_base(m) for m in methods) else {}),
                    **({"feature": asdict(feature)} if any(feature_base(m) for m in methods) else {})},
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
