@@ -441,6 +441,34 @@ def test_batch_bench_report_contract(tmp_path):
     assert "B=2 ngram: best" in format_batch_table(report)
 
 
+@needs_demo
+def test_batch_methods_on_another_forward_get_that_forwards_ar(tmp_path):
+    """A batched method on a non-stock forward (onednn-matmul) is also divided by batched AR on the same forward,
+    and a schedule's AR shares the method's forward: the ratio names speculation's gain alone."""
+    from decoder.lab.batch_bench import format_batch_table, run_batch_bench
+    from decoder.models import DEMO_DIR
+
+    rows = [json.loads(x) for x in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines()[:3]]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": r["id"], "text": r["text"][-300:]} for r in rows])
+    report = run_batch_bench(DEMO_DIR / "target", None, str(path), 8, (1, 2), drafters=(),
+                             methods=("ar-lean-dnn", "sd-ngram-lean"), noise_prompts=1, progress=False)
+    by = {(r["name"], r["batch_size"]): r for r in report["batch_methods"]}
+    for b in (1, 2):
+        dnn, plain = by[("ar-lean-dnn", b)], by[("sd-ngram-lean", b)]
+        assert dnn["forward"] == {"matmul_t_rows": 0, "matmul_backend": "onednn"}
+        assert dnn["speedup_vs_same_forward_ar"] == pytest.approx(
+            dnn["tokens_per_s"] / dnn["same_forward_ar_tokens_per_s"], rel=1e-3)
+        assert dnn["unexplained_mismatches"] == dnn["same_forward_ar_unexplained_mismatches"] == 0
+        assert "forward" not in plain and "speedup_vs_same_forward_ar" not in plain  # stock forward: plain AR only
+    assert "x batched AR on its forward" in format_batch_table(report)
+    sched = run_batch_bench(DEMO_DIR / "target", None, str(path), 8, (1, 2), drafters=(),
+                            methods=("sd-ngram-lean-dnn",), noise_prompts=1, progress=False, schedule=True)
+    sc = sched["schedule"][0]
+    assert sc["name"] == "sd-ngram-lean-dnn" and sc["ar_forward"]["matmul_backend"] == "onednn"
+    assert "against batched AR with ragged verify and continuous batching, matmul_t_rows = 0, matmul_backend = " \
+           "'onednn':" in format_batch_table(sched)
+
+
 def test_cli_bad_batch_sizes_one_line_error(capsys):
     from workbench.cli import main
 
