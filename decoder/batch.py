@@ -454,7 +454,9 @@ class BatchEngine:
             stats.routes[f"{domain}:{chosen}"] += 1
             cfg = dataclasses.replace(cfg, drafter=chosen)
         if cfg.drafter in FEATURE_DRAFTERS:  # its own state: a shared one would mix requests' contexts
-            return self.heads.new_state(cfg.drafter, self.target.lean, cfg.draft_vocab if cfg.drafter == "mtp" else 0)
+            mtp = cfg.drafter == "mtp"
+            return self.heads.new_state(cfg.drafter, self.target.lean, cfg.draft_vocab if mtp else 0,
+                                        cfg.mtp_tree_alts if mtp else 0)
         return make_proposer(cfg, self.drafter.lean if self.drafter else None, self.device, self.gen)
 
     def _pack(self, rows: list[list[int]], qlens: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:

@@ -140,6 +140,8 @@ def verify_width(cfg: DecodeConfig | Mapping) -> int:
         return 1 + max(1, min(nodes, MAX_TREE_NODES))
     if get("verify", str) == "two-level":
         return 1 + k * (1 + max(0, min(get("two_level_alts", int), 8)))
+    if get("drafter", str) == "mtp":
+        return 1 + k * (1 + max(0, min(get("mtp_tree_alts", int), 8)))
     return 1 + k
 
 
@@ -265,6 +267,9 @@ class DecodeConfig(ConfigTable):
     # Mechanism domain-routing (drafter = "routed"): the drafter each domain's requests get.
     # Mechanism draft-vocab: the MTP heads score only the draft_vocab most frequent tokens (0 = the full head).
     draft_vocab: int = 0
+    # Mechanism mtp-tree: each MTP head's next mtp_tree_alts tokens hang as leaves beside its top-1 chain node (a
+    # comb tree, as two-level verification's), verified in the same forward (0 = a chain).
+    mtp_tree_alts: int = 0
     route_code: str = "mtp"  # the demo's measured best for both domains (README: feature drafters)
     route_prose: str = "mtp"
     dtype: str = "bfloat16"
@@ -356,6 +361,13 @@ class DecodeConfig(ConfigTable):
         if self.draft_vocab and self.drafter not in ("mtp", "routed"):
             raise bad("draft_vocab", "only the MTP heads have a pruned head yet; set drafter = 'mtp' or "
                                      "draft_vocab = 0")
+        if not 0 <= self.mtp_tree_alts <= 8:
+            raise bad("mtp_tree_alts", "use 0 (a chain) to 8 alternatives per head")
+        if self.mtp_tree_alts and self.drafter != "mtp":
+            raise bad("mtp_tree_alts", "only the MTP heads draft a comb tree; set drafter = 'mtp' or use 0")
+        if self.mtp_tree_alts and (self.temperature != 0 or self.cuda_graphs):
+            raise bad("mtp_tree_alts", "a tree verifies greedily on the eager lean forward: set temperature = 0 "
+                                       "and cuda_graphs = false, or use 0")
         for key in ("route_code", "route_prose"):
             if getattr(self, key) not in ROUTABLE:
                 raise bad(key, f"choose one of {', '.join(ROUTABLE)}")

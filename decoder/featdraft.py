@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoder.proposer import Draft, Proposer, Verdict
+from decoder.tree import comb_tree
 
 DOMAINS = ("code", "prose")
 
@@ -351,8 +352,10 @@ class MTPState(FeatureState):
     name = "mtp"
 
     def __init__(self, model: MTPHeads, embed: torch.Tensor, lm_head: torch.Tensor,
-                 vocab_ids: torch.Tensor | None = None) -> None:
+                 vocab_ids: torch.Tensor | None = None, alts: int = 0) -> None:
         self.m, self.c = model, model.c
+        # Mechanism mtp-tree: each head's next `alts` tokens hang beside its top-1 as leaves (a comb tree).
+        self.alts = alts
         self.embed = embed
         # A pruned head (draft_vocab): `lm_head` holds only the frequent sub-vocabulary's rows, `vocab_ids`
         # their token ids (the drafted index maps back through it).
@@ -370,13 +373,30 @@ class MTPState(FeatureState):
 
     @torch.inference_mode()
     def draft(self, last: torch.Tensor, k: int) -> torch.Tensor:
+        return self._top(last, k)[:, 0]
+
+    def _top(self, last: torch.Tensor, k: int) -> torch.Tensor:
+        """[n, 1 + alts] token ids: each head's best, then its next `alts` (n = k cut to the heads)."""
         n = min(k, self.c.num_heads)  # a draft longer than the heads is cut to them
         self.forwards += 1
         hid = self.m.hidden(self.h, F.embedding(last[0], self.embed))[:n]  # [n, D]
-        return self._ids(F.linear(hid, self.lm_head).max(-1).indices)
+        return self._best(hid)
 
-    def _ids(self, idx: torch.Tensor) -> torch.Tensor:
+    def _best(self, hid: torch.Tensor) -> torch.Tensor:
+        scores = F.linear(hid, self.lm_head)
+        idx = scores.topk(1 + self.alts, dim=-1).indices if self.alts else scores.max(-1).indices.unsqueeze(-1)
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
+
+    def _draft(self, top: torch.Tensor) -> Draft:
+        """A chain of the heads' best tokens, or with alternatives the comb tree (decoder.tree.comb_tree)."""
+        if not self.alts:
+            return Draft(top[:, 0])
+        tree = comb_tree(top[:, 0], top[:, 1:])
+        return Draft(tree.tokens, tree=tree)
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return self._draft(self._top(torch.tensor(tokens[-1:], device=self.device), k))
 
     @classmethod
     @torch.inference_mode()
@@ -385,7 +405,7 @@ class MTPState(FeatureState):
         heads, one LM-head matmul for the R x n rows; proposers that share one model (the engine's)."""
         groups: dict[tuple[int, int], list[int]] = {}
         for i, pr in enumerate(proposers):
-            groups.setdefault((id(pr.m), id(pr.vocab_ids)), []).append(i)
+            groups.setdefault((id(pr.m), id(pr.vocab_ids), pr.alts), []).append(i)
         out: list[Draft | None] = [None] * len(proposers)
         for idx in groups.values():
             first = proposers[idx[0]]
@@ -393,10 +413,10 @@ class MTPState(FeatureState):
             h = torch.stack([proposers[i].h for i in idx])  # [R, D]
             last = torch.tensor([tokens[i][-1] for i in idx], device=first.device)  # [R]
             hid = first.m.hidden(h, F.embedding(last, first.embed))[:, :n]  # [R, n, D]
-            toks = first._ids(F.linear(hid, first.lm_head).max(-1).indices)  # [R, n]
+            toks = first._best(hid)  # [R, n, 1 + alts]
             for r, i in enumerate(idx):
                 proposers[i].forwards += 1
-                out[i] = Draft(toks[r, : min(ks[i], first.c.num_heads)])
+                out[i] = first._draft(toks[r, : min(ks[i], first.c.num_heads)])
         return out
 
 
@@ -547,26 +567,27 @@ class FeatureHeads:
             self._vocab_ids[n] = torch.tensor(sorted(self._rank[:n]), dtype=torch.long, device=self.device)
         return self._vocab_ids[n]
 
-    def state(self, kind: str, lean_target, draft_vocab: int = 0):
+    def state(self, kind: str, lean_target, draft_vocab: int = 0, alts: int = 0):
         """The decode-time state of drafter `kind` over the lean target's embedding and LM head; built
-        once per (kind, target, pruned head) and reset by each generation (its buffers and fused weights are
-        reused)."""
-        key = (kind, id(lean_target), draft_vocab)
+        once per (kind, target, pruned head, alternatives) and reset by each generation (its buffers and fused
+        weights are reused)."""
+        key = (kind, id(lean_target), draft_vocab, alts)
         st = self._states.get(key)
         if st is None:
-            st = self._states[key] = self.new_state(kind, lean_target, draft_vocab)
+            st = self._states[key] = self.new_state(kind, lean_target, draft_vocab, alts)
         return st
 
-    def new_state(self, kind: str, lean_target, draft_vocab: int = 0) -> BlockState | MTPState:
+    def new_state(self, kind: str, lean_target, draft_vocab: int = 0, alts: int = 0) -> BlockState | MTPState:
         """A fresh decode-time state of drafter `kind` (one per request under batching); `draft_vocab` > 0
-        scores only that many of the most frequent tokens (MTP; lossless: the target verifies)."""
+        scores only that many of the most frequent tokens (MTP; lossless: the target verifies); `alts` > 0
+        drafts the MTP heads' comb tree (mechanism mtp-tree)."""
         m = self.model(kind)
         if kind == "block":
             return BlockState(m, lean_target.embed, lean_target.lm_head, lean_target.max_len)
         ids = self.vocab_ids(draft_vocab)
         if ids is None:
-            return MTPState(m, lean_target.embed, lean_target.lm_head)
+            return MTPState(m, lean_target.embed, lean_target.lm_head, alts=alts)
         key = (id(lean_target.lm_head), draft_vocab)
         if key not in self._pruned:  # one pruned copy of the head per target, shared by every request's state
             self._pruned[key] = lean_target.lm_head[ids].contiguous()
-        return MTPState(m, lean_target.embed, self._pruned[key], ids)
+        return MTPState(m, lean_target.embed, self._pruned[key], ids, alts)

@@ -92,7 +92,8 @@ def make_proposer(cfg: DecodeConfig, drafter_model=None, device: torch.device | 
         if heads is None:
             raise ValueError(f"drafter = {cfg.drafter!r} needs the target's feature drafters (FeatureHeads); "
                              f"serve loads them from <target>/drafters")
-        return heads.state(cfg.drafter, target, cfg.draft_vocab if cfg.drafter == "mtp" else 0)
+        mtp = cfg.drafter == "mtp"
+        return heads.state(cfg.drafter, target, cfg.draft_vocab if mtp else 0, cfg.mtp_tree_alts if mtp else 0)
     if cfg.drafter == "ngram":
         return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
     if drafter_model is None:
@@ -221,7 +222,7 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], cfg: Dec
     return Generation(new, stats)
 
 
-_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {(cuda_graphs, t_rows): runner}
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {(cuda_graphs, t_rows, backend): runner}
 
 
 def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, profile_sync: bool = False,

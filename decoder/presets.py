@@ -57,6 +57,9 @@ PRESETS: dict[str, dict] = {
     "sd-mtp-dnn": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "matmul_backend": "onednn"},
     "sd-mtp-vocab-dnn": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "draft_vocab": 1024,
                          "matmul_backend": "onednn"},
+    # Mechanism mtp-tree on top: each head's next 2 tokens beside the chain.
+    "sd-mtp-tree-dnn": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "draft_vocab": 1024,
+                        "mtp_tree_alts": 2, "matmul_backend": "onednn"},
 }
 
 

@@ -535,6 +535,35 @@ def test_every_bench_method_is_lossless_batched(name, tiny_models):
         assert sum(g.stats.accepted for g in single) > 2 * len(prompts)  # deep paths were accepted and compacted
 
 
+def test_mtp_comb_tree_is_lossless_single_and_batched(tiny_models):
+    """Mechanism mtp-tree: the MTP heads' comb tree (each head's next tokens beside the chain) gives AR's tokens
+    through `generate` and through the batched engine (per-request trees from one batched heads forward), and
+    drafts trees of 1 + k * (1 + alts) positions."""
+    from decoder.generate import generate
+    from decoder.presets import preset_config
+
+    target, drafter, heads, prompts = tiny_models
+    base = DecodeConfig(max_new_tokens=24, dtype="float32", stop_at_eos=False)
+    ref = [ar_generate(target, p, replace(base, method="ar")).tokens for p in prompts]
+    accepted = {}
+    for alts in (0, 1, 3):
+        cfg = preset_config("sd-mtp", base, mtp_tree_alts=alts, draft_len=4)
+        single = [generate(cfg, target, p, drafter, heads=heads) for p in prompts]
+        assert [g.tokens for g in single] == ref, alts
+        accepted[alts] = sum(g.stats.accepted for g in single)
+        for b in (1, 4):
+            run = BatchEngine(target, cfg, b, drafter, heads=heads).run([Request(p, 0.0, i) for i, p in
+                                                                         enumerate(prompts)])
+            assert [r.tokens for r in run.results] == ref, (alts, b)
+    assert accepted[3] > accepted[0]  # alternatives were accepted (deterministic: fixed seeds; 59 against 50)
+    pr = heads.new_state("mtp", LeanLM(target), 0, 3)
+    pr.h = torch.zeros(target.config.hidden_size)
+    d = pr.propose(prompts[0], 4)  # 4 heads' top-1 chain, 3 alternatives beside each chain node
+    assert d.tree is not None and d.size == 4 * (1 + 3) and d.tree.parents[:4].tolist() == [-1, 0, 1, 2]
+    with pytest.raises(ConfigError, match="mtp_tree_alts = 2 is invalid: only the MTP heads draft a comb tree"):
+        DecodeConfig(mtp_tree_alts=2, lean_forward=True)
+
+
 def test_batched_feature_proposers_get_the_accepted_positions_hidden_states(tiny_models):
     """A feature proposer under batching receives, after each step, the target's hidden states of exactly
     the positions it accepted: checked with an oracle that drafts the reference continuation."""

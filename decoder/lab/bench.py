@@ -56,7 +56,7 @@ T_METHODS = ("ar-lean-t", "sd-draft-model-lean-t", "sd-ngram-lean-t")
 # weights (CPU). Not in the default set (ask with --methods); speedups against ar-lean-dnn, so ar-lean-dnn beside
 # ar-lean is the forward's own gain and the others' ratio is speculation's alone.
 DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-ngram-lean-dnn", "sd-tree-dnn", "sd-two-level-dnn",
-               "sd-dcut-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn")
+               "sd-dcut-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn", "sd-mtp-tree-dnn")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
@@ -84,9 +84,10 @@ def tree_base(name: str) -> str | None:
 
 
 def feature_base(name: str) -> str | None:
-    """The feature method `name` runs (sd-mtp-vocab-dnn -> sd-mtp-vocab), None for any other method."""
+    """The feature method `name` runs (sd-mtp-vocab-dnn -> sd-mtp-vocab), None for any other method; the MTP comb
+    tree (sd-mtp-tree-dnn) is the pruned heads' method with alternatives (`FeatureSettings.overrides`)."""
     base = name.removesuffix("-dnn")
-    return base if base in FEATURE_METHODS else None
+    return base if base in FEATURE_METHODS else "sd-mtp-vocab" if base == "sd-mtp-tree" else None
 
 
 def _baseline(name: str) -> str:
@@ -133,18 +134,22 @@ class FeatureSettings:
     block_draft_len: int = BLOCK_DRAFT_LEN
     mtp_draft_len: int = MTP_DRAFT_LEN
     mtp_draft_vocab: int = PRESETS["sd-mtp-vocab"]["draft_vocab"]
+    mtp_tree_alts: int = PRESETS["sd-mtp-tree-dnn"]["mtp_tree_alts"]
     route_code: str = _DEFAULT.route_code  # measured best on both demo domains (README)
     route_prose: str = _DEFAULT.route_prose
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
 
     def overrides(self, name: str) -> dict:
-        name = feature_base(name) or name
+        name = name.removesuffix("-dnn")  # the oneDNN variants take the same flags
         if name == "sd-block":
             return {"draft_len": self.block_draft_len}
         if name == "sd-mtp":
             return {"draft_len": self.mtp_draft_len}
         if name == "sd-mtp-vocab":
             return {"draft_len": self.mtp_draft_len, "draft_vocab": self.mtp_draft_vocab}
+        if name == "sd-mtp-tree":
+            return {"draft_len": self.mtp_draft_len, "draft_vocab": self.mtp_draft_vocab,
+                    "mtp_tree_alts": self.mtp_tree_alts}
         if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
             return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
                     else self.block_draft_len, "route_code": self.route_code, "route_prose": self.route_prose}
