@@ -403,7 +403,7 @@ class MTPState(FeatureState):
     def propose_many(cls, proposers: list[Proposer], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
         """Every request's heads in one batched forward: [R, D] hidden states and last tokens through the
         heads, one LM-head matmul for the R x n rows; proposers that share one model (the engine's)."""
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int, int], list[int]] = {}
         for i, pr in enumerate(proposers):
             groups.setdefault((id(pr.m), id(pr.vocab_ids), pr.alts), []).append(i)
         out: list[Draft | None] = [None] * len(proposers)
