@@ -595,7 +595,7 @@ def test_batched_feature_proposers_get_the_accepted_positions_hidden_states(tiny
 
     heads = FeatureHeads(None, target.config, torch.float32, torch.device("cpu"))
     heads.model = lambda kind: type("M", (), {"c": type("C", (), {"target_layers": [1]})})()
-    heads.new_state = lambda kind, lean, draft_vocab=0: Oracle()
+    heads.new_state = lambda kind, lean, draft_vocab=0, alts=0: Oracle()
     run = BatchEngine(target, cfg, 4, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
     lean = LeanLM(target)
     for p, r in zip(prompts, run.results, strict=True):
