@@ -358,9 +358,12 @@ class DecodeConfig(ConfigTable):
                 raise bad("dcut", "D-cut cuts a chain draft; use verify = 'chain' (trees already expand by confidence)")
         if self.draft_vocab and not 64 <= self.draft_vocab <= 262144:
             raise bad("draft_vocab", "use 0 (the full head) or 64 to 262144 tokens")
-        if self.draft_vocab and self.drafter not in ("mtp", "routed"):
-            raise bad("draft_vocab", "only the MTP heads have a pruned head yet; set drafter = 'mtp' or "
-                                     "draft_vocab = 0")
+        if self.draft_vocab and self.drafter not in ("mtp", "routed", "draft-model"):
+            raise bad("draft_vocab", "only the MTP heads and the draft model have a pruned head; set drafter = "
+                                     "'mtp' or 'draft-model', or draft_vocab = 0")
+        if self.draft_vocab and self.drafter == "draft-model" and not self.lean_forward:
+            raise bad("draft_vocab", "the draft model's pruned head is on its lean forward; set lean_forward = true "
+                                     "or draft_vocab = 0")
         if not 0 <= self.mtp_tree_alts <= 8:
             raise bad("mtp_tree_alts", "use 0 (a chain) to 8 alternatives per head")
         if self.mtp_tree_alts and self.drafter != "mtp":

@@ -256,22 +256,30 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
 
         apply_w12(target)  # in place: the caller's target now holds 12-bit weights
         target._specpilot_w12 = True
-    def lean(m):
+    def lean(m, head_ids: torch.Tensor | None = None):
         # Built once per model and kept: fusing the projections copies every weight.
         per_model = _LEAN.setdefault(m, {})
-        key = (cfg.cuda_graphs, cfg.matmul_t_rows, cfg.matmul_backend)
+        key = (cfg.cuda_graphs, cfg.matmul_t_rows, cfg.matmul_backend, None if head_ids is None else head_ids.shape[0])
         if key not in per_model:
             runner = LeanLM(m)
             runner.set_transposed_rows(cfg.matmul_t_rows)
             runner.set_matmul_backend(cfg.matmul_backend)
+            if head_ids is not None:
+                runner.set_head_vocab(head_ids)
             per_model[key] = StaticLeanLM(runner) if cfg.cuda_graphs else runner
         return per_model[key]
 
+    head_ids = None  # mechanism draft-vocab on the draft model: its head scores the target's frequent tokens only
+    if cfg.method == "sd" and cfg.drafter == "draft-model" and cfg.draft_vocab and drafter_model is not None:
+        if heads is None:
+            raise ValueError("draft_vocab with the draft model needs the target's token ranking (TARGET/drafters/"
+                             "vocab_rank.json from `specpilot train drafter --kind vocab`); set draft_vocab = 0")
+        head_ids = heads.vocab_ids(cfg.draft_vocab)
     if cfg.lean_forward:
         target = lean(target)
-        drafter_model = lean(drafter_model) if drafter_model is not None else None
+        drafter_model = lean(drafter_model, head_ids) if drafter_model is not None else None
     elif cfg.method == "sd" and cfg.verify != "chain" and drafter_model is not None:
-        drafter_model = lean(drafter_model)  # the tree grows on the drafter's lean forward; the target is HF
+        drafter_model = lean(drafter_model, head_ids)  # the tree grows on the drafter's lean forward; target HF
     if cfg.method == "ar":
         return ar_generate(target, prompt, cfg, profile_sync)
     device = as_runner(target).device

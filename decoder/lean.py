@@ -177,10 +177,22 @@ class LeanLM:
         self.inter = self.layers[0].wgu.shape[0] // 2
         self.t_rows, self._wt = 0, {}
         self.matmul_backend, self._packed = "torch", {}
+        self._head_ids: torch.Tensor | None = None  # draft-vocab on a draft model: the tokens its head scores
+        self._head_rows: torch.Tensor | None = None
 
     def _matmul_weights(self) -> list[torch.Tensor]:
         """Every weight `mm` multiplies by: fused QKV, O, gate/up and down of each layer, then the LM head."""
-        return [t for ly in self.layers for t in (ly.wqkv, ly.wo, ly.wgu, ly.wdown)] + [self.lm_head]
+        head = [self.lm_head] + ([self._head_rows] if self._head_rows is not None else [])
+        return [t for ly in self.layers for t in (ly.wqkv, ly.wo, ly.wgu, ly.wdown)] + head
+
+    def set_head_vocab(self, ids: torch.Tensor | None) -> None:
+        """Mechanism draft-vocab on a draft model: the LM head scores only the tokens `ids` ([n]); every other
+        logit is -inf, so argmax, top-k and sampling work on the full vocabulary as before (a drafter's proposals
+        only: the target verifies them). None restores the full head."""
+        self._head_ids = ids
+        self._head_rows = None if ids is None else self.lm_head[ids].contiguous()
+        self.set_transposed_rows(self.t_rows)  # the pruned head's copies for the matmul mechanisms
+        self.set_matmul_backend(self.matmul_backend)
 
     def set_matmul_backend(self, backend: str) -> None:
         """Mechanism onednn-matmul: "onednn" packs every weight once into oneDNN's blocked layout and multiplies
@@ -297,10 +309,15 @@ class LeanLM:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden rows [T, D] -> logits [T, V]."""
-        logits = self.mm(self.norm(x, self.final_norm), self.lm_head)
+        h = self.norm(x, self.final_norm)
+        logits = self.mm(h, self.lm_head if self._head_rows is None else self._head_rows)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        if self._head_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.lm_head.shape[0]), float("-inf"))
+        full[:, self._head_ids] = logits
+        return full
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: LeanCache, last_only: bool = False,

@@ -33,6 +33,8 @@ PRESETS: dict[str, dict] = {
     # Mechanism onednn-matmul: the lean methods (and the MTP ones) with the matmuls on oneDNN's packed weights.
     "ar-lean-dnn": {"method": "ar", "lean_forward": True, "matmul_backend": "onednn"},
     "sd-draft-model-lean-dnn": {"lean_forward": True, "matmul_backend": "onednn"},
+    # Mechanism draft-vocab on the draft model too: its LM head scores the target's 1024 most frequent tokens.
+    "sd-draft-model-vocab-dnn": {"lean_forward": True, "matmul_backend": "onednn", "draft_vocab": 1024},
     "sd-ngram-lean-dnn": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                           "matmul_backend": "onednn"},
     # Mechanism weight_format = "w12".

@@ -188,3 +188,37 @@ def test_onednn_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
         DecodeConfig(lean_forward=True, matmul_backend="mkl")
     with pytest.raises(ConfigError, match="oneDNN runs on the CPU; use \"torch\" on 'cuda'"):
         DecodeConfig(lean_forward=True, matmul_backend="onednn", device="cuda")
+
+
+@torch.inference_mode()
+def test_draft_model_pruned_head_keeps_tokens(tiny_fp32, tiny_prompts, tmp_path):
+    """Mechanism draft-vocab on the draft model: its lean head scores only the ranked tokens (those logits equal
+    the full head's, the rest are -inf), and SD through `generate` (chain, oneDNN or not, and tree) stays
+    token-identical to AR; without the ranking, or off the lean forward, it is a one-line error."""
+    import json
+
+    from decoder.featdraft import VOCAB_RANK_FILE, FeatureHeads
+    from decoder.generate import generate
+
+    model, drafter = tiny_fp32
+    vocab = drafter.config.vocab_size
+    rank = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist()
+    (tmp_path / VOCAB_RANK_FILE).write_text(json.dumps({"ids": rank}))
+    heads = FeatureHeads(tmp_path, model.config, torch.float32, torch.device("cpu"))
+    ids = heads.vocab_ids(64)
+    full, pruned = LeanLM(drafter), LeanLM(drafter)
+    pruned.set_head_vocab(ids)
+    p = torch.tensor(tiny_prompts[0])
+    a, b = full.forward(p, full.new_cache()), pruned.forward(p, pruned.new_cache())
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[ids] = True
+    assert torch.allclose(a[:, keep], b[:, keep], atol=1e-5) and torch.isneginf(b[:, ~keep]).all()
+    base = DecodeConfig(lean_forward=True, max_new_tokens=24, dtype="float32", stop_at_eos=False)
+    ref = generate(DecodeConfig(**{**base.as_dict(), "method": "ar"}), model, tiny_prompts[1], None).tokens
+    for extra in ({}, {"matmul_backend": "onednn"}, {"verify": "tree"}):
+        cfg = DecodeConfig(**{**base.as_dict(), "draft_vocab": 64, **extra})
+        assert generate(cfg, model, tiny_prompts[1], drafter, heads=heads).tokens == ref, extra
+    with pytest.raises(ValueError, match="draft_vocab with the draft model needs the target's token ranking"):
+        generate(DecodeConfig(**{**base.as_dict(), "draft_vocab": 64}), model, tiny_prompts[1], drafter)
+    with pytest.raises(ConfigError, match="the draft model's pruned head is on its lean forward"):
+        DecodeConfig(draft_vocab=64)

@@ -55,7 +55,8 @@ T_METHODS = ("ar-lean-t", "sd-draft-model-lean-t", "sd-ngram-lean-t")
 # Mechanism onednn-matmul: the lean methods and the MTP ones with the lean forward's matmuls on oneDNN's packed
 # weights (CPU). Not in the default set (ask with --methods); speedups against ar-lean-dnn, so ar-lean-dnn beside
 # ar-lean is the forward's own gain and the others' ratio is speculation's alone.
-DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-ngram-lean-dnn", "sd-tree-dnn", "sd-two-level-dnn",
+DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-ngram-lean-dnn", "sd-tree-dnn",
+               "sd-two-level-dnn",
                "sd-dcut-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn", "sd-mtp-tree-dnn")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
@@ -71,10 +72,14 @@ HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
-                       "sd-draft-model-lean-dnn", "sd-tree-dnn", "sd-two-level-dnn", "sd-dcut-dnn",
+                       "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-tree-dnn", "sd-two-level-dnn",
+                       "sd-dcut-dnn",
                        "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
 VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn"}
+
+
+RANKED_METHODS = ("sd-draft-model-vocab-dnn",)  # need the target's token ranking, not its feature drafters
 
 
 def tree_base(name: str) -> str | None:
@@ -411,7 +416,8 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         elif feature_base(name) and (missing := _missing_heads(feature_base(name), heads_root, feature)):
             why = (f"no {missing} at {heads_root}; train it with `specpilot train drafter --kind "
                    f"{missing.split()[0]} --target {target_dir}`")
-        elif feature_base(name) == "sd-mtp-vocab" and not (heads_root / VOCAB_RANK_FILE).exists():
+        elif (feature_base(name) == "sd-mtp-vocab" or name in RANKED_METHODS) \
+                and not (heads_root / VOCAB_RANK_FILE).exists():
             why = (f"no token ranking at {heads_root / VOCAB_RANK_FILE}; make it with `specpilot train drafter "
                    f"--kind vocab --target {target_dir}`")
         elif name in ("hf-assisted-draft-model", "hf-prompt-lookup") and recurrent_layers(target_cfg):
@@ -493,7 +499,7 @@ def run_bench(
         target_dir, drafter_dir, needs_drafter, prompts_spec, prompt_dir, limit, dtype, device)
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     heads = None
-    if any(feature_base(m) for m in methods):
+    if any(feature_base(m) or m in RANKED_METHODS for m in methods):
         from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 
         root = Path(feature.drafters) if feature.drafters else drafters_dir(target_dir)
