@@ -262,10 +262,10 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         key = (cfg.cuda_graphs, cfg.matmul_t_rows, cfg.matmul_backend, None if head_ids is None else head_ids.shape[0])
         if key not in per_model:
             runner = LeanLM(m)
+            if head_ids is not None:  # first: the matmul mechanisms below then copy the pruned head once
+                runner.set_head_vocab(head_ids)
             runner.set_transposed_rows(cfg.matmul_t_rows)
             runner.set_matmul_backend(cfg.matmul_backend)
-            if head_ids is not None:
-                runner.set_head_vocab(head_ids)
             per_model[key] = StaticLeanLM(runner) if cfg.cuda_graphs else runner
         return per_model[key]
 

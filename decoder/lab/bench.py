@@ -56,8 +56,7 @@ T_METHODS = ("ar-lean-t", "sd-draft-model-lean-t", "sd-ngram-lean-t")
 # weights (CPU). Not in the default set (ask with --methods); speedups against ar-lean-dnn, so ar-lean-dnn beside
 # ar-lean is the forward's own gain and the others' ratio is speculation's alone.
 DNN_METHODS = ("ar-lean-dnn", "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-ngram-lean-dnn", "sd-tree-dnn",
-               "sd-two-level-dnn",
-               "sd-dcut-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn", "sd-mtp-tree-dnn")
+               "sd-two-level-dnn", "sd-dcut-dnn", "sd-mtp-dnn", "sd-mtp-vocab-dnn", "sd-mtp-tree-dnn")
 # Mechanisms tree-verify, two-level-verify and d-cut (decoder/tree.py, decoder/dcut.py), all on the lean
 # forward with the draft model: compare them with sd-draft-model-lean; their speedup_vs_ar is against ar-lean.
 TREE_METHODS = ("sd-tree", "sd-two-level", "sd-dcut")
