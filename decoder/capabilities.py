@@ -17,8 +17,18 @@ picks the methods that can run and lists the skipped ones with these reasons; `g
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from decoder.archs import lean_unsupported_reason, recurrent_layers
 from decoder.config import DecodeConfig
+
+VOCAB_RANK_FILE = "vocab_rank.json"  # token ids by corpus frequency (`specpilot train drafter --kind vocab`)
+ROUTER_FILE = "router.json"  # the domain router of drafter = "routed"
+
+
+def drafters_dir(target_dir: Path | str) -> Path:
+    """Where `specpilot train drafter` puts a target's feature drafters and router by default."""
+    return Path(target_dir) / "drafters"
 
 
 class Unsupported(ValueError):
@@ -57,6 +67,29 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
         if tv is not None and dv is not None and dv != tv:
             return (f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv}); a drafter must "
                     f"share the target's tokenizer")
+    return None
+
+
+def drafter_files_refusal(cfg: DecodeConfig, drafters: Path, target_dir: Path | str = "TARGET") -> str | None:
+    """What `cfg` needs from the target's drafters directory (`TARGET/drafters`: feature drafters, router,
+    token ranking) and does not find there, in one line with the command that makes it; None when all is there
+    or `cfg` needs none of it. Read from the files alone: the tuner refuses such a config before running it."""
+    if cfg.method != "sd":
+        return None
+    kinds = {cfg.drafter} if cfg.drafter in ("mtp", "block") else set()
+    if cfg.drafter == "routed":
+        if not (drafters / ROUTER_FILE).is_file():
+            return (f"no router at {drafters / ROUTER_FILE}; train it with `specpilot train drafter --kind router "
+                    f"--target {target_dir}`")
+        kinds = {r for r in (cfg.route_code, cfg.route_prose) if r in ("mtp", "block")}
+    for kind in sorted(kinds):
+        if not (drafters / kind / "config.json").is_file():
+            what = "mtp heads" if kind == "mtp" else "block drafter"
+            return (f"no {what} at {drafters}; train it with `specpilot train drafter --kind {kind} "
+                    f"--target {target_dir}`")
+    if cfg.draft_vocab and not (drafters / VOCAB_RANK_FILE).is_file():
+        return (f"draft_vocab = {cfg.draft_vocab} needs the target's token ranking at {drafters / VOCAB_RANK_FILE}; "
+                f"make it with `specpilot train drafter --kind vocab --target {target_dir}`")
     return None
 
 

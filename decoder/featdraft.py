@@ -35,22 +35,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoder.capabilities import ROUTER_FILE, VOCAB_RANK_FILE
+from decoder.capabilities import drafters_dir as drafters_dir  # re-exported: its callers import it from here
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.tree import comb_tree
 
 DOMAINS = ("code", "prose")
 
 
-VOCAB_RANK_FILE = "vocab_rank.json"  # token ids by corpus frequency (`specpilot train drafter --kind vocab`)
 
 
 class FeatureDrafterError(RuntimeError):
     """A feature drafter is missing or does not fit the target; the message names the path and the fix."""
-
-
-def drafters_dir(target_dir: Path) -> Path:
-    """Where `specpilot train drafter` puts a target's feature drafters and router by default."""
-    return Path(target_dir) / "drafters"
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -536,7 +532,7 @@ class FeatureHeads:
 
     def router(self) -> DomainRouter:
         if self._router is None:
-            path = (self.root / "router.json") if self.root is not None else None
+            path = (self.root / ROUTER_FILE) if self.root is not None else None
             if path is None or not path.exists():
                 raise FeatureDrafterError(f"drafter 'routed' needs a router at {path}; train one with "
                                           f"`specpilot train drafter --kind router --target DIR`")

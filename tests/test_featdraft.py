@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from decoder.capabilities import VOCAB_RANK_FILE, drafter_files_refusal
 from decoder.config import ConfigError, DecodeConfig
 from decoder.featdraft import (
     BlockDrafter,
@@ -37,6 +38,7 @@ from decoder.lab.train_drafter import (
 from decoder.lean import LeanLM, StaticLeanLM
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 from decoder.proposer import Draft, Proposer
+from workbench.agents.tuner import candidates
 from workbench.cli import main
 
 TRAINED = drafters_dir(DEMO_DIR / "target")
@@ -514,3 +516,29 @@ def test_vocab_rank_from_a_chat_deployments_answers(tmp_path, capsys):
     assert main(["train", "drafter", "--kind", "vocab", "--answers", str(f), "--out", str(blocker / "v.json")]) == 2
     err = capsys.readouterr().err
     assert "cannot write" in err and "writable path" in err and len(err.strip().splitlines()) == 1
+
+
+def test_drafter_files_refusal_names_what_is_missing_and_the_tuner_proposes_only_what_is_there(tmp_path):
+    """A config needing feature drafters, a router or the token ranking the target's drafters directory lacks
+    is refused in one line naming the file and the command that makes it; the drafting tuner then offers the
+    pruned head for the draft model only where the ranking exists (the demo's), and no head at all without."""
+    empty = tmp_path / "drafters"
+    empty.mkdir()
+    lean = dict(method="sd", lean_forward=True)
+    cases = {"mtp": (DecodeConfig(drafter="mtp", **lean), "no mtp heads at"),
+             "block": (DecodeConfig(drafter="block", **lean), "no block drafter at"),
+             "routed": (DecodeConfig(drafter="routed", **lean), "no router at"),
+             "ranked": (DecodeConfig(drafter="draft-model", draft_vocab=512, **lean), VOCAB_RANK_FILE)}
+    for name, (cfg, want) in cases.items():
+        why = drafter_files_refusal(cfg, empty, "T")
+        assert why is not None and want in why and "specpilot train drafter --kind" in why and "\n" not in why, name
+        assert drafter_files_refusal(cfg, TRAINED) is None, name
+    assert drafter_files_refusal(DecodeConfig(drafter="draft-model", **lean), empty) is None
+    assert drafter_files_refusal(DecodeConfig(method="ar", drafter="mtp"), empty) is None
+
+    base = DecodeConfig(drafter="draft-model", **lean)
+    demo = candidates(base, "drafting", [], refuse=lambda c: drafter_files_refusal(c, TRAINED))
+    bare = candidates(base, "drafting", [], refuse=lambda c: drafter_files_refusal(c, empty))
+    assert any(c.cfg.drafter == "draft-model" and c.cfg.draft_vocab for c in demo)
+    assert any(c.cfg.drafter == "mtp" for c in demo)
+    assert bare and not any(c.cfg.draft_vocab or c.cfg.drafter in ("mtp", "block", "routed") for c in bare)

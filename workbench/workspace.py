@@ -36,7 +36,7 @@ import git
 
 import decoder
 import kernels
-from decoder.capabilities import refusal
+from decoder.capabilities import drafter_files_refusal, drafters_dir, refusal
 from decoder.config import ConfigError, DecodeConfig, read_table
 from decoder.engines import EngineError
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
@@ -263,6 +263,9 @@ class Workspace:
             return None
         if cfg.method == "sd" and cfg.drafter == "draft-model" and self.config.drafter is None:
             return "this deployment has no draft model (specpilot.toml: drafter)"
+        why = drafter_files_refusal(cfg, drafters_dir(self.config.target), self.config.target)
+        if why:
+            return why
         if self._model_configs is None:
             self._model_configs = (_read_model_config(self.config.target),
                                    _read_model_config(self.config.drafter) if self.config.drafter else None)
