@@ -234,6 +234,10 @@ class TunerAgent:
                 with measurement_lock():
                     if sp.served:  # a fresh process each rung: nothing from an earlier rung's prompts remembered
                         sp.restart()
+                    # Untimed, the base over the rung's prompts first: a fresh process pays once per shape (oneDNN
+                    # builds a kernel per row count and prompt length), and whichever config ran first paid it
+                    # (the loop's rungs scored 12 of 13 batching candidates above an unchanged base).
+                    self._score_load(sp, base, use, n, ref, threshold)
                     group = [base_c, *alive]
                     for i, c in enumerate(group):
                         step(f"tuning r{rung + 1}/{len(self.rungs)}", i, len(group),
