@@ -71,6 +71,21 @@ def test_the_tuners_measured_schedule_is_keyed_by_the_live_requests_a_batch_reac
     # starts after B = 1's reach (1): at 2 live requests
     assert cand is not None and cand.changes == {"load_schedule": "1:2,2:0"}
 
+    # With more visible prompts, B = 8 is measured on 8 distinct ones (as the timed load sends them), B = 1 on two;
+    # here 3 of the 8 end at their first token (B = 8 reaches 5 live requests; its entry starts past B = 1's reach).
+    seen: dict[int, list[str]] = {}
+
+    class Recording(Scripted):
+        def _score_load(self, sp, cfg, prompts, n, ref, threshold):
+            seen.setdefault(self.points[0], [q.id for q in prompts])
+            return super()._score_load(sp, cfg, prompts, n, ref, threshold)
+
+    many = [SimpleNamespace(id=f"p{i}", ids=[i]) for i in range(10)]
+    ref = {f"p{i}": {"stock": [0] if i in (1, 4, 6) else [5, 6, 7]} for i in range(10)}
+    cand = Recording(ws)._measured_schedule(None, DecodeConfig(), many, 8, ref, 0.0, [], ctx)
+    assert seen == {1: ["p0", "p1"], 8: [f"p{i}" for i in range(8)]}
+    assert cand is not None and cand.changes == {"load_schedule": "1:2,2:0"}
+
 
 def test_an_idle_agent_tries_the_knobs_of_a_family_measured_at_no_gain():
     """llama.cpp smollm2: the step is the forward, so host overhead measures ~0 (here below it), yet threads

@@ -370,19 +370,23 @@ class TunerAgent:
         reach: dict[int, int] = {}
         with measurement_lock():
             for bs in self.points:
+                # A batch of bs distinct visible prompts (cycled when fewer), as the timed load sends: two prompts
+                # cycled to 8 had no request ending at its first token, and SD looked ahead of AR where the
+                # load's batches (3 of 8 such requests) run faster on AR steps. One request: two prompts.
+                use = prompts[:2] if bs == 1 else prompts[:bs]
                 for k in SCHEDULE_LENS:
                     step("tuning schedule", SCHEDULE_LENS.index(k), len(SCHEDULE_LENS), f"B = {bs}, draft {k}")
                     cfg = DecodeConfig(**{**base.as_dict(), "load_schedule": f"1:{k}"})
                     self.points, keep = [bs], self.points
                     try:
-                        tps, bad = self._score_load(sp, cfg, prompts[:2], n, ref, threshold)
+                        tps, bad = self._score_load(sp, cfg, use, n, ref, threshold)
                     finally:
                         self.points = keep
                     if not bad:
                         seen.setdefault(bs, {})[k] = tps[bs]
                 if seen.get(bs):
                     best[bs] = choose_draft_len(seen[bs])
-                    batch = [prompts[:2][j % len(prompts[:2])] for j in range(bs)] if bs > 1 else prompts[:1]
+                    batch = [use[j % len(use)] for j in range(bs)] if bs > 1 else prompts[:1]
                     reach[bs] = max(1, sum(len(ref[p.id]["stock"][:n]) > 1 for p in batch))
         history.append({"schedule": {str(b): {str(k): round(v, 2) for k, v in d.items()} for b, d in seen.items()}})
         if len(best) != len(self.points):
