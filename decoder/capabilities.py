@@ -79,7 +79,7 @@ def drafter_files_refusal(cfg: DecodeConfig, drafters: Path, target_dir: Path | 
     kinds = {cfg.drafter} if cfg.drafter in ("mtp", "block") else set()
     if cfg.drafter == "routed":
         if not (drafters / ROUTER_FILE).is_file():
-            return (f"no router at {drafters / ROUTER_FILE}; train it with `specpilot train drafter --kind router "
+            return (f"no router at {drafters}; train it with `specpilot train drafter --kind router "
                     f"--target {target_dir}`")
         kinds = {r for r in (cfg.route_code, cfg.route_prose) if r in ("mtp", "block")}
     for kind in sorted(kinds):

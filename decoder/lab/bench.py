@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decoder.capabilities import refusal
+from decoder.capabilities import drafter_files_refusal, refusal
 from decoder.config import DecodeConfig, verify_width
 from decoder.contract import first_divergence, near_tie
-from decoder.featdraft import VOCAB_RANK_FILE
 from decoder.generate import generate
 from decoder.lab.peers import LLAMA_AR, PeerGroup, check_against_ar, is_peer, peer_entry
 from decoder.lab.peers import runner as peer_runner
@@ -412,13 +411,6 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         why = None
         if name in DRAFT_MODEL_METHODS and drafter_dir is None:
             why = "needs a draft model (--drafter DIR)"
-        elif feature_base(name) and (missing := _missing_heads(feature_base(name), heads_root, feature)):
-            why = (f"no {missing} at {heads_root}; train it with `specpilot train drafter --kind "
-                   f"{missing.split()[0]} --target {target_dir}`")
-        elif (feature_base(name) == "sd-mtp-vocab" or name in RANKED_METHODS) \
-                and not (heads_root / VOCAB_RANK_FILE).exists():
-            why = (f"no token ranking at {heads_root / VOCAB_RANK_FILE}; make it with `specpilot train drafter "
-                   f"--kind vocab --target {target_dir}`")
         elif name in ("hf-assisted-draft-model", "hf-prompt-lookup") and recurrent_layers(target_cfg):
             why = (f"transformers' assisted generation does not support stateful models "
                    f"({', '.join(recurrent_layers(target_cfg))} layers); SpecPilot's own methods roll them back")
@@ -426,7 +418,10 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
             flags = {**tree.overrides(name), **feature.overrides(name)}
             if "ngram" in name:
                 flags["draft_len"] = ngram_draft_len
-            why = refusal(preset_config(name, cfg, **flags), target_cfg, drafter_cfg, cfg.dtype)
+            method_cfg = preset_config(name, cfg, **flags)
+            # What the method needs from the drafters directory first (the tuner's refusal), then the models.
+            why = (drafter_files_refusal(method_cfg, heads_root, target_dir)
+                   or refusal(method_cfg, target_cfg, drafter_cfg, cfg.dtype))
         if why is None:
             keep.append(name)
         elif skip_unsupported and name != REFERENCE:
@@ -434,19 +429,6 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
         else:
             raise BenchError(f"--methods {name}: {why}")
     return tuple(keep), skipped
-
-
-def _missing_heads(name: str, root: Path, feature: FeatureSettings) -> str | None:
-    """What a feature method needs under `root` and does not find ("mtp heads", "block drafter", "router"),
-    None when all of it is there: a deployment may carry one kind only (e.g. SmolLM2's MTP heads)."""
-    kinds = {"sd-block": ["block"], "sd-mtp": ["mtp"], "sd-mtp-vocab": ["mtp"],
-             "sd-routed": [r for r in (feature.route_code, feature.route_prose) if r in ("block", "mtp")]}[name]
-    for kind in kinds:
-        if not (root / kind / "config.json").is_file():
-            return "mtp heads" if kind == "mtp" else "block drafter"
-    if name == "sd-routed" and not (root / "router.json").is_file():
-        return "router"
-    return None
 
 
 def load_bench_inputs(target_dir: Path, drafter_dir: Path | None, needs_drafter: bool, prompts_spec: str,
