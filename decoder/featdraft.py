@@ -43,8 +43,6 @@ from decoder.tree import comb_tree
 DOMAINS = ("code", "prose")
 
 
-
-
 class FeatureDrafterError(RuntimeError):
     """A feature drafter is missing or does not fit the target; the message names the path and the fix."""
 
