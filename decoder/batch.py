@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoder.config import FEATURE_DRAFTERS, DecodeConfig, scheduled_draft_len, verify_width
-from decoder.drafters import NgramDrafter
+from decoder.config import FEATURE_DRAFTERS, LOOKUP_DRAFTERS, DecodeConfig, scheduled_draft_len, verify_width
+from decoder.drafters import CorpusDrafter, NgramDrafter
 from decoder.generate import make_proposer
 from decoder.lean import LeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
@@ -434,8 +434,9 @@ class BatchEngine:
         for (si, i), tok, q, w in zip(joining, first, qlens, qpad, strict=True):
             stats = DecodeStats(target_forwards=1)
             s = _Slot(i, list(requests[i].prompt) + [tok], len(requests[i].prompt), stats, now)
-            if cfg.method == "sd" and cfg.drafter == "ngram":
-                s.ngram = NgramDrafter(cfg.ngram_max, cfg.ngram_min, self.device)
+            if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS:
+                s.ngram = (NgramDrafter(cfg.ngram_max, cfg.ngram_min, self.device) if cfg.drafter == "ngram" else
+                           CorpusDrafter(self._corpus(), cfg.ngram_max, cfg.ngram_min, self.device))
                 s.ngram.reset(requests[i].prompt)
             if self.per_request:
                 s.proposer = self._proposer(requests[i].prompt, stats)
@@ -457,7 +458,13 @@ class BatchEngine:
             mtp = cfg.drafter == "mtp"
             return self.heads.new_state(cfg.drafter, self.target.lean, cfg.draft_vocab if mtp else 0,
                                         cfg.mtp_tree_alts if mtp else 0)
-        return make_proposer(cfg, self.drafter.lean if self.drafter else None, self.device, self.gen)
+        return make_proposer(cfg, self.drafter.lean if self.drafter else None, self.device, self.gen, heads=self.heads)
+
+    def _corpus(self):
+        """The corpus datastore every request's corpus drafter shares (decoder.datastore.CorpusIndex)."""
+        if self.heads is None:
+            raise ValueError("batched decoding: drafter = 'corpus' needs the target's corpus datastore (FeatureHeads)")
+        return self.heads.corpus()
 
     def _pack(self, rows: list[list[int]], qlens: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         """Host token rows -> (ids [T], per-request widths, last real row of each request). Ragged packing
@@ -506,7 +513,7 @@ class BatchEngine:
         k_load = scheduled_draft_len(cfg, len(live))
         k_load = cfg.draft_len if k_load is None else k_load
         proposals: dict[int, list[int]] = {}
-        if cfg.method == "sd" and cfg.drafter == "ngram" and k_load > 0:
+        if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS and k_load > 0:
             for i in live:  # asked for what the step can take, as the single-request loop asks
                 s = slots[i]
                 remaining = cfg.max_new_tokens - (len(s.tokens) - s.prompt_len)
@@ -704,9 +711,10 @@ def _n_params(lean: LeanLM) -> int:
 
 
 def batch_generate(cfg: DecodeConfig, target, prompts: list[list[int]], max_batch: int, drafter_model=None,
-                   eos_id: int | None = None) -> BatchRun:
-    """Decode `prompts` (all arrived at once) in batches of up to `max_batch` with cfg's mechanisms."""
-    engine = BatchEngine(target, cfg, max_batch, drafter_model, eos_id)
+                   eos_id: int | None = None, heads=None) -> BatchRun:
+    """Decode `prompts` (all arrived at once) in batches of up to `max_batch` with cfg's mechanisms (`heads`:
+    the target's feature drafters and corpus datastore, decoder.featdraft.FeatureHeads)."""
+    engine = BatchEngine(target, cfg, max_batch, drafter_model, eos_id, heads=heads)
     return engine.run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
 
 

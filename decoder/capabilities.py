@@ -24,6 +24,7 @@ from decoder.config import DecodeConfig
 
 VOCAB_RANK_FILE = "vocab_rank.json"  # token ids by corpus frequency (`specpilot train drafter --kind vocab`)
 ROUTER_FILE = "router.json"  # the domain router of drafter = "routed"
+CORPUS_FILE = "corpus.npz"  # the corpus datastore of drafter = "corpus" (`specpilot train drafter --kind corpus`)
 
 
 def drafters_dir(target_dir: Path | str) -> Path:
@@ -76,14 +77,18 @@ def drafter_files_refusal(cfg: DecodeConfig, drafters: Path, target_dir: Path | 
     or `cfg` needs none of it. Read from the files alone: the tuner refuses such a config before running it."""
     if cfg.method != "sd":
         return None
-    kinds = {cfg.drafter} if cfg.drafter in ("mtp", "block") else set()
+    kinds = {cfg.drafter} if cfg.drafter in ("mtp", "block", "corpus") else set()
     if cfg.drafter == "routed":
         if not (drafters / ROUTER_FILE).is_file():
             return (f"no router at {drafters}; train it with `specpilot train drafter --kind router "
                     f"--target {target_dir}`")
-        kinds = {r for r in (cfg.route_code, cfg.route_prose) if r in ("mtp", "block")}
+        kinds = {r for r in (cfg.route_code, cfg.route_prose) if r in ("mtp", "block", "corpus")}
     for kind in sorted(kinds):
-        if not (drafters / kind / "config.json").is_file():
+        if kind == "corpus":
+            if not (drafters / CORPUS_FILE).is_file():
+                return (f"no corpus datastore at {drafters / CORPUS_FILE}; make it with `specpilot train drafter "
+                        f"--kind corpus --target {target_dir}`")
+        elif not (drafters / kind / "config.json").is_file():
             what = "mtp heads" if kind == "mtp" else "block drafter"
             return (f"no {what} at {drafters}; train it with `specpilot train drafter --kind {kind} "
                     f"--target {target_dir}`")

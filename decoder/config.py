@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Self
 
 METHODS = ("ar", "sd")
-DRAFTERS = ("draft-model", "ngram", "block", "mtp", "routed")
+DRAFTERS = ("draft-model", "ngram", "corpus", "block", "mtp", "routed")
+# Drafters that look tokens up instead of running a forward: prompt lookup, and prompt lookup backed by a corpus
+# datastore (mechanism corpus-drafter, decoder/datastore.py: TARGET/drafters/corpus.npz).
+LOOKUP_DRAFTERS = ("ngram", "corpus")
 FEATURE_DRAFTERS = ("block", "mtp", "routed")  # read the target's hidden states (decoder/featdraft.py)
-ROUTABLE = ("draft-model", "ngram", "block", "mtp")  # what the domain router may pick
+ROUTABLE = ("draft-model", "ngram", "corpus", "block", "mtp")  # what the domain router may pick
 # What a feature drafter needs: the lean forward's hidden states and chain verification (greedy or sampled:
 # its drafts are deterministic, so rejection sampling runs with a one-hot q).
 FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "verify": "chain", "dcut": False}
@@ -230,7 +233,7 @@ class ConfigTable:
 @dataclass
 class DecodeConfig(ConfigTable):
     method: str = "sd"  # "ar" (target alone) or "sd" (chain speculative decoding)
-    drafter: str = "draft-model"  # "draft-model" or "ngram" (prompt lookup)
+    drafter: str = "draft-model"  # see DRAFTERS: a draft model, lookups (ngram, corpus) or feature drafters
     draft_len: int = 3  # k: tokens drafted per step (an n-gram match may give fewer)
     ngram_max: int = 4  # longest suffix the n-gram drafter tries to match
     ngram_min: int = 1  # shortest suffix it accepts as a match

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from decoder.datastore import CorpusIndex
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.runners import LAZY_REFEED, as_runner, rollback
 from decoder.verify import argmax_tokens
@@ -144,3 +145,22 @@ class NgramDrafter(Drafter):
     def one_hot_probs(self, draft: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """A deterministic drafter's q: one-hot rows, which makes rejection sampling exact for it."""
         return torch.nn.functional.one_hot(draft, vocab_size).float()
+
+
+class CorpusDrafter(NgramDrafter):
+    """Prompt lookup first, then a corpus datastore (mechanism `corpus-drafter`): the sequence's own
+    earlier text when its last `ngram_min`.. tokens recur there, else (and to fill the draft to k) the
+    corpus index's most frequent continuation. Both are lookups, so a draft costs no forward."""
+
+    name = "corpus"
+
+    def __init__(self, index: CorpusIndex, ngram_max: int = 4, ngram_min: int = 2,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(ngram_max, max(ngram_min, 2), device)  # a one-token prompt match loses to the corpus
+        self.corpus = index
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        proposal = super().lookup(tokens, k)
+        if len(proposal) < k:
+            proposal = proposal + self.corpus.draft(tokens + proposal, k - len(proposal))
+        return proposal

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoder.capabilities import ROUTER_FILE, VOCAB_RANK_FILE
+from decoder.capabilities import CORPUS_FILE, ROUTER_FILE, VOCAB_RANK_FILE
 from decoder.capabilities import drafters_dir as drafters_dir  # re-exported: its callers import it from here
+from decoder.datastore import CorpusIndex, DatastoreError
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.tree import comb_tree
 
@@ -513,6 +514,7 @@ class FeatureHeads:
         self._rank: list[int] | None = None
         self._vocab_ids: dict[int, torch.Tensor] = {}
         self._pruned: dict[tuple[int, int], torch.Tensor] = {}
+        self._corpus: CorpusIndex | None = None
 
     def model(self, kind: str) -> nn.Module:
         if kind not in self._models:
@@ -536,6 +538,28 @@ class FeatureHeads:
                                           f"`specpilot train drafter --kind router --target DIR`")
             self._router = DomainRouter.load(path)
         return self._router
+
+    def corpus(self) -> CorpusIndex:
+        """The corpus datastore of drafter = "corpus" (`<root>/corpus.npz`), loaded once."""
+        if self._corpus is None:
+            path = self.root / CORPUS_FILE if self.root is not None else None
+            if path is None or not path.is_file():
+                raise FeatureDrafterError(f"drafter 'corpus' needs a corpus datastore at {path}; make it with "
+                                          f"`specpilot train drafter --kind corpus --target DIR`")
+            try:
+                index = CorpusIndex.load(path)
+            except DatastoreError as e:
+                raise FeatureDrafterError(str(e)) from None
+            vocab = self.target_config.vocab_size
+            if index.vocab_size != vocab:
+                raise FeatureDrafterError(f"{path} was built for a vocabulary of {index.vocab_size} tokens, the "
+                                          f"target's has {vocab}: remake it with `specpilot train drafter --kind "
+                                          f"corpus`")
+            self._corpus = index
+        return self._corpus
+
+    def set_corpus(self, index: CorpusIndex) -> None:
+        self._corpus = index
 
     def set_vocab_rank(self, ids: list[int]) -> None:
         """The token ranking a pruned head reads (instead of `<root>/vocab_rank.json`)."""

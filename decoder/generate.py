@@ -17,7 +17,7 @@ import torch
 from decoder.capabilities import Unsupported, check  # noqa: F401 (Unsupported re-exported)
 from decoder.config import FEATURE_DRAFTERS, DecodeConfig, scheduled_draft_len
 from decoder.dcut import DCutDrafter
-from decoder.drafters import DraftModelDrafter, NgramDrafter
+from decoder.drafters import CorpusDrafter, DraftModelDrafter, NgramDrafter
 from decoder.lean import LeanLM, StaticLeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
 from decoder.proposer import Draft, Proposer, Verdict
@@ -86,8 +86,9 @@ def ar_generate(target, prompt: list[int], cfg: DecodeConfig, profile_sync: bool
 
 def make_proposer(cfg: DecodeConfig, drafter_model=None, device: torch.device | str = "cpu",
                   generator: torch.Generator | None = None, heads=None, target=None) -> Proposer:
-    """The proposer cfg names: draft model (chain, D-cut, tree, two-level), n-gram lookup, or a feature
-    drafter (block, MTP) reading `target`'s hidden states through `heads` (decoder.featdraft.FeatureHeads)."""
+    """The proposer cfg names: draft model (chain, D-cut, tree, two-level), n-gram lookup (alone or backed by
+    the corpus datastore of `heads`), or a feature drafter (block, MTP) reading `target`'s hidden states
+    through `heads` (decoder.featdraft.FeatureHeads)."""
     if cfg.drafter in FEATURE_DRAFTERS:
         if heads is None:
             raise ValueError(f"drafter = {cfg.drafter!r} needs the target's feature drafters (FeatureHeads); "
@@ -96,6 +97,11 @@ def make_proposer(cfg: DecodeConfig, drafter_model=None, device: torch.device | 
         return heads.state(cfg.drafter, target, cfg.draft_vocab if mtp else 0, cfg.mtp_tree_alts if mtp else 0)
     if cfg.drafter == "ngram":
         return NgramDrafter(cfg.ngram_max, cfg.ngram_min, device)
+    if cfg.drafter == "corpus":
+        if heads is None:
+            raise ValueError("drafter = 'corpus' needs the target's corpus datastore (FeatureHeads); serve loads it "
+                             "from <target>/drafters")
+        return CorpusDrafter(heads.corpus(), cfg.ngram_max, cfg.ngram_min, device)
     if drafter_model is None:
         raise ValueError("drafter = 'draft-model' needs a draft model; pass --drafter DIR or use drafter = 'ngram'")
     if cfg.verify == "tree":

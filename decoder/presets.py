@@ -37,6 +37,10 @@ PRESETS: dict[str, dict] = {
     "sd-draft-model-vocab-dnn": {"lean_forward": True, "matmul_backend": "onednn", "draft_vocab": 1024},
     "sd-ngram-lean-dnn": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                           "matmul_backend": "onednn"},
+    # Mechanism corpus-drafter: prompt lookup backed by the target's corpus datastore (decoder/datastore.py).
+    "sd-corpus-lean": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True},
+    "sd-corpus-lean-dnn": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                           "matmul_backend": "onednn"},
     # Mechanism weight_format = "w12".
     "ar-w12": {"method": "ar", "weight_format": "w12"},
     "sd-draft-model-w12": {"weight_format": "w12"},

@@ -181,6 +181,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from decoder.lab.train_drafter import (
         DrafterSpec,
         read_answers,
+        train_corpus_index,
         train_feature_drafter,
         train_router,
         train_vocab_rank,
@@ -188,7 +189,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir, smollm2_deployment
 
     if args.kind is None:
-        return fail("train drafter: --kind is required (block, mtp, router or vocab)")
+        return fail("train drafter: --kind is required (block, mtp, router, vocab or corpus)")
     try:
         target = smollm2_deployment().target if args.target == "smollm2" else \
             Path(args.target) if args.target else DEMO_DIR / "target"
@@ -196,20 +197,37 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         return fail(str(e))
     answers = Path(args.answers) if args.answers else None
-    if answers is not None and (args.kind not in ("block", "mtp", "vocab") or not answers.is_file()):
+    if answers is not None and (args.kind not in ("block", "mtp", "vocab", "corpus") or not answers.is_file()):
         return fail(f"train drafter: --answers {answers}: " + (
             "not a file; give a JSONL of \"prompt\" and \"tokens\" rows (e.g. `specpilot train smollm2-drafter "
-            "--only data`'s answers.jsonl)" if args.kind != "router" else "only for --kind block, mtp or vocab"))
+            "--only data`'s answers.jsonl)" if args.kind != "router" else
+            "only for --kind block, mtp, vocab or corpus"))
     if answers is not None:
         try:  # a bad row is named before the target loads
             read_answers(answers)
         except (ValueError, OSError) as e:
             return fail(f"train drafter: {e}")
-    if args.kind in ("router", "vocab"):
+    if args.kind in ("router", "vocab", "corpus"):
         out = Path(args.out) if args.out else None
+        if args.kind == "corpus" and args.train_sequences is not None and args.train_sequences < 0:
+            return fail(f"train drafter: --train-sequences {args.train_sequences} must be 0 or more")
+        if args.kind == "corpus":  # minutes of work go to this file: refuse a folder that cannot take it first
+            folder = (out or target / "drafters" / "corpus.npz").parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                return fail(f"train drafter: cannot write {folder}: {e.strerror or e}; give --out a writable path")
+            if not os.access(folder, os.W_OK):
+                return fail(f"train drafter: cannot write {folder}: not writable; give --out a writable path")
         try:
-            print(json.dumps(train_router(target, out, seed=args.seed) if args.kind == "router" else
-                             train_vocab_rank(target, out, answers=answers, seed=args.seed)))
+            if args.kind == "router":
+                print(json.dumps(train_router(target, out, seed=args.seed)))
+            elif args.kind == "vocab":
+                print(json.dumps(train_vocab_rank(target, out, answers=answers, seed=args.seed)))
+            else:
+                n = 4096 if args.train_sequences is None else args.train_sequences
+                print(json.dumps(train_corpus_index(target, out, answers=answers, self_sequences=n, seed=args.seed,
+                                                    work=Path(args.work_dir) if args.work_dir else None)))
         except ValueError as e:
             return fail(f"train drafter: {e}")
         except OSError as e:
@@ -435,8 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="output (demo: root, default the package's demo assets; drafter: its "
                                  "directory, default TARGET/drafters/KIND, router: TARGET/drafters/router.json)")
     t.add_argument("--work-dir", help="checkpoints and caches (default: build/train-demo, build/train-drafter)")
-    t.add_argument("--kind", choices=("block", "mtp", "router", "vocab"),
-                   help="drafter: what to train (vocab: the token frequency ranking a pruned drafter head uses)")
+    t.add_argument("--kind", choices=("block", "mtp", "router", "vocab", "corpus"),
+                   help="drafter: what to train (vocab: the token frequency ranking a pruned drafter head uses; "
+                        "corpus: the datastore of drafter = 'corpus', from the corpus and the target's own "
+                        "continuations)")
     t.add_argument("--target", help="drafter: the target's local model directory, or smollm2 (default: the demo "
                                     "target)")
     t.add_argument("--answers", metavar="FILE",
@@ -445,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "corpus continuations; vocab: rank tokens by their counts in those answers")
     t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
     t.add_argument("--steps", type=int, help="drafter: optimiser steps (default: block 3500, mtp 8000)")
-    t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096)")
+    t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096); "
+                                                         "corpus: the target's continuations it indexes (0: none)")
     t.add_argument("--batch-size", type=int, help="drafter: sequences per step (default 16)")
     t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
     t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1); smollm2-drafter: (default 2)")

@@ -67,8 +67,12 @@ HF_TREE_METHODS = ("sd-tree-hf", "sd-two-level-hf")
 # target's trained feature drafters (TARGET/drafters or --drafters); the default set skips them without.
 FEATURE_METHODS = ("sd-block", "sd-mtp", "sd-mtp-vocab", "sd-routed")
 HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
+# Mechanism corpus-drafter (decoder/datastore.py): prompt lookup backed by the target's corpus datastore
+# (TARGET/drafters/corpus.npz from `specpilot train drafter --kind corpus`). Not in the default set (ask with
+# --methods); against ar-lean, drafting as long as the n-gram methods (--ngram-draft-len).
+CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
-KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS
+KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
                        "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-tree-dnn", "sd-two-level-dnn",
                        "sd-dcut-dnn",
@@ -78,6 +82,11 @@ VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn":
 
 
 RANKED_METHODS = ("sd-draft-model-vocab-dnn",)  # need the target's token ranking, not its feature drafters
+
+
+def is_lookup(name: str) -> bool:
+    """A method whose drafter looks tokens up (n-gram, corpus): it drafts --ngram-draft-len tokens."""
+    return name.startswith(("sd-ngram", "sd-corpus"))
 
 
 def tree_base(name: str) -> str | None:
@@ -268,7 +277,7 @@ class Bench:
     def config(self, name: str) -> DecodeConfig:
         """The DecodeConfig method `name` runs: its preset over the bench's config, with the flags' values."""
         flags = {**self.tree.overrides(name), **self.feature.overrides(name)}
-        if "ngram" in name:
+        if is_lookup(name):
             flags["draft_len"] = self.ngram_draft_len
         return preset_config(name, self.cfg, **flags)
 
@@ -416,7 +425,7 @@ def select_methods(methods: tuple[str, ...], skip_unsupported: bool, target_dir:
                    f"({', '.join(recurrent_layers(target_cfg))} layers); SpecPilot's own methods roll them back")
         elif name in PRESETS:
             flags = {**tree.overrides(name), **feature.overrides(name)}
-            if "ngram" in name:
+            if is_lookup(name):
                 flags["draft_len"] = ngram_draft_len
             method_cfg = preset_config(name, cfg, **flags)
             # What the method needs from the drafters directory first (the tuner's refusal), then the models.
@@ -480,7 +489,7 @@ def run_bench(
         target_dir, drafter_dir, needs_drafter, prompts_spec, prompt_dir, limit, dtype, device)
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
     heads = None
-    if any(feature_base(m) or m in RANKED_METHODS for m in methods):
+    if any(feature_base(m) or m in RANKED_METHODS or m in CORPUS_METHODS for m in methods):
         from decoder.featdraft import FeatureDrafterError, FeatureHeads, drafters_dir
 
         root = Path(feature.drafters) if feature.drafters else drafters_dir(target_dir)
@@ -493,6 +502,8 @@ def run_bench(
                 heads.router()
             for kind in sorted(wanted):
                 heads.model(kind)
+            if any(m in CORPUS_METHODS for m in methods):
+                heads.corpus()
         except FeatureDrafterError as e:
             raise BenchError(f"{e} (or drop {', '.join(FEATURE_METHODS)} with --methods)") from e
     bench = Bench(target, drafter, eos, cfg, ngram_draft_len, tree=tree, feature=feature, heads=heads)
@@ -574,7 +585,7 @@ def run_bench(
                                              peers.servers[name].spec.flags(), check if own else None))
             continue
         if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + TREE_METHODS \
-                + HF_TREE_METHODS + FEATURE_METHODS:
+                + HF_TREE_METHODS + FEATURE_METHODS + CORPUS_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry.target_tokens_per_token = round(res.stats.target_tokens / max(1, res.tokens), 4)
             entry.drafter_forwards_per_token = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
@@ -597,7 +608,7 @@ def run_bench(
                 report_methods.append(entry.as_dict())
                 continue
             entry.draft_len = (draft_len if name.startswith("sd-draft-model") else
-                               ngram_draft_len if name.startswith("sd-ngram") else
+                               ngram_draft_len if is_lookup(name) else
                                bench.config(name).draft_len
                                if tree_base(name) in ("sd-two-level", "sd-dcut") else None)
             if tree_base(name):

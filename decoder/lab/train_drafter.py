@@ -38,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from decoder.capabilities import CORPUS_FILE
 from decoder.contract import data_dir
+from decoder.datastore import CorpusIndex
 from decoder.featdraft import (
     VOCAB_RANK_FILE,
     BlockDrafter,
@@ -585,3 +587,64 @@ def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upwei
     print(f"[vocab] {out_path}: {vocab} tokens ranked over {out['train_tokens']} training tokens; held-out "
           f"coverage of the top N: {cover}", file=sys.stderr)
     return {"path": str(out_path), "val_coverage": cover, "train_tokens": out["train_tokens"]}
+
+
+# ---------------------------------------------------------------- corpus datastore
+
+
+def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: Path | None = None,
+                       self_sequences: int = 4096, self_weight: int = 3, nmax: int = 6, min_count: int = 2,
+                       seed: int = 0, work: Path | None = None) -> dict:
+    """The corpus datastore of drafter = "corpus" (decoder/datastore.py), written to `<target>/drafters/corpus.npz`.
+
+    Its text: the corpus's training split under the target's tokenizer, and what the target itself writes,
+    counted `self_weight` times (a greedy target continues the way it continued before, more than the way the
+    corpus does): `self_sequences` greedy continuations (128 tokens) of training-split prefixes (128 tokens),
+    made in shards under `work` (resumable), or with `answers` (a chat deployment's own answers, as
+    `train drafter --answers`) those answers' tokens. Held-out documents never reach it."""
+    from decoder.models import load_causal_lm, model_config
+
+    target_dir = Path(target_dir)
+    out_path = Path(out_path) if out_path else drafters_dir(target_dir) / CORPUS_FILE
+    work = Path(work) if work else data_dir() / "drafters" / f"corpus-{target_dir.name}"
+    vocab = int(model_config(target_dir, "target")["vocab_size"])
+    eos = model_config(target_dir, "target").get("eos_token_id")
+    eos = int(eos[0] if isinstance(eos, list) else eos or 0)
+    t0 = time.perf_counter()
+    corpus = corpus_streams(target_dir, work / "tokens", 1)["train"].astype(np.int64)
+    own: list[np.ndarray] = []
+    if answers is not None:
+        own = [np.asarray(list(r["tokens"]) + [eos], dtype=np.int64) for r in read_answers(Path(answers))]
+        source = f"answers {Path(answers).resolve()}"
+    elif self_sequences > 0:
+        target = load_causal_lm(target_dir, "target")
+        shard, prefix_len, gen_len = 256, 128, 128
+        n_shards = math.ceil(self_sequences / shard)
+        for i in tqdm(range(n_shards), desc="greedy continuations (shards)", file=sys.stderr, dynamic_ncols=True):
+            path = work / f"self-p{prefix_len}-g{gen_len}-s{seed}-{i:03d}.npy"
+            if not path.exists():
+                n = min(shard, self_sequences - i * shard)
+                rng = np.random.default_rng([seed, 11, i])
+                starts = rng.integers(0, len(corpus) - prefix_len - 1, size=n)
+                prefixes = torch.from_numpy(np.stack([corpus[s : s + prefix_len] for s in starts]))
+                gens = torch.cat([greedy_continue(target, prefixes[j : j + 64], gen_len) for j in range(0, n, 64)])
+                work.mkdir(parents=True, exist_ok=True)
+                _atomic_save_npy(path, torch.cat([prefixes, gens], dim=1).numpy().astype(np.int32))
+            seqs = np.load(path).astype(np.int64)[:, prefix_len - nmax :]  # the continuation and its context
+            own.extend(np.concatenate([s, [eos]]) for s in seqs)
+        source = f"{self_sequences} greedy continuations of the target"
+    else:
+        source = "none"
+    stream = np.concatenate([corpus] + [np.concatenate(own)] * self_weight if own else [corpus])
+    if stream.min() < 0 or stream.max() >= vocab:
+        raise ValueError(f"token ids outside the target's vocabulary of {vocab}: the answers are not this target's")
+    index = CorpusIndex.build(stream, vocab, nmax=nmax, min_count=min_count)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    index.save(out_path)
+    own_tokens = int(sum(len(s) for s in own))
+    out = {"path": str(out_path), "contexts": len(index), "corpus_tokens": int(len(corpus)), "own_tokens": own_tokens,
+           "own_source": source, "self_weight": self_weight, "nmax": nmax, "min_count": min_count,
+           "seconds": round(time.perf_counter() - t0, 1), "bytes": out_path.stat().st_size}
+    print(f"[corpus] {out_path}: {len(index)} contexts of 1..{nmax} tokens over {len(corpus)} corpus tokens and "
+          f"{own_tokens} of the target's own ({source}) x{self_weight}", file=sys.stderr)
+    return out

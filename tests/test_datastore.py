@@ -1,0 +1,157 @@
+"""Mechanism corpus-drafter: the corpus datastore (decoder/datastore.py) and the drafter that reads it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from decoder.capabilities import CORPUS_FILE, drafter_files_refusal
+from decoder.config import DecodeConfig
+from decoder.datastore import CorpusIndex, DatastoreError
+from decoder.drafters import CorpusDrafter
+from decoder.featdraft import FeatureDrafterError, FeatureHeads
+from decoder.generate import ar_generate, generate
+from tests.conftest import needs_demo, tiny_llama
+
+
+def test_the_longest_indexed_context_picks_its_most_frequent_continuation():
+    # "1 2 -> 3" twice and "9 2 -> 4" three times: after (1, 2) the order-2 context wins (3); after (7, 2), unseen
+    # as a pair, it backs off to (2,) whose most frequent continuation is 4.
+    stream = [1, 2, 3, 0, 1, 2, 3, 0, 9, 2, 4, 0, 9, 2, 4, 0, 9, 2, 4, 0]
+    index = CorpusIndex.build(stream, vocab_size=16, nmax=3, min_count=2)
+    assert index.next_token([5, 1, 2]) == (3, 2)
+    assert index.next_token([7, 2]) == (4, 1)
+    assert index.draft([1, 2], 3) == [3, 0, 9]  # 3, then (2, 3) -> 0, then (2, 3, 0) -> 9 ... as the stream goes
+    # A continuation seen once is not indexed: (5, 6) -> 8 appears once, and 6 is not indexed at all.
+    index = CorpusIndex.build(stream + [5, 6, 8], vocab_size=16, nmax=3, min_count=2)
+    assert index.next_token([5, 6]) == (-1, 0)
+    assert index.draft([5, 6], 4) == []
+
+
+def test_save_and_load_round_trip_and_bad_files_are_one_line_errors(tmp_path):
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, 50, size=5000)
+    index = CorpusIndex.build(stream, vocab_size=50, nmax=4, min_count=2)
+    path = tmp_path / CORPUS_FILE
+    index.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == [CORPUS_FILE]  # no temporary left behind
+    again = CorpusIndex.load(path)
+    assert (again.keys == index.keys).all() and (again.nexts == index.nexts).all()
+    assert (again.nmax, again.min_count, again.vocab_size, again.corpus_tokens) == (4, 2, 50, 5000)
+    ctx = [int(t) for t in stream[100:110]]
+    assert again.draft(ctx, 6) == index.draft(ctx, 6)
+    path.write_bytes(b"not a zip")
+    with pytest.raises(DatastoreError) as e:
+        CorpusIndex.load(path)
+    assert "\n" not in str(e.value) and "specpilot train drafter --kind corpus" in str(e.value)
+    with pytest.raises(DatastoreError, match="more than nmax"):
+        CorpusIndex.build([1, 2], vocab_size=8, nmax=4)
+
+
+def test_prompt_lookup_comes_first_and_the_corpus_fills_the_draft():
+    index = CorpusIndex.build([1, 2, 3, 4, 5, 0, 7, 4, 5, 0] * 3, vocab_size=8, nmax=3, min_count=2)
+    d = CorpusDrafter(index, ngram_max=3, ngram_min=1)
+    assert d.ngram_min == 2  # a one-token prompt match loses to the corpus
+    d.reset([])
+    # (6, 7) recurs in the sequence: its continuation (1, 6, 7) comes from the prompt, the rest from the corpus.
+    assert d.lookup([6, 7, 1, 6, 7], 4) == [1, 6, 7, 4]
+    d.reset([])
+    assert d.lookup([3], 3) == [4, 5, 0]  # no prompt match: the corpus alone
+
+
+@pytest.fixture(scope="module")
+def tiny_and_index():
+    """A tiny random target and a datastore of its own greedy continuations (so drafts are often right)."""
+    target = tiny_llama(vocab=96, hidden=64, layers=2, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    stream = []
+    for _ in range(24):
+        prompt = torch.randint(1, 96, (12,), generator=gen).tolist()
+        out = ar_generate(target, prompt, DecodeConfig(method="ar", max_new_tokens=40, stop_at_eos=False,
+                                                       dtype="float32")).tokens
+        stream += prompt + out + [0]
+    heads = FeatureHeads(None, target.config, torch.float32, torch.device("cpu"))
+    heads.set_corpus(CorpusIndex.build(stream, vocab_size=96, nmax=4, min_count=1))
+    return target, heads
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_the_corpus_drafter_is_lossless_and_its_drafts_are_accepted(tiny_and_index, lean):
+    target, heads = tiny_and_index
+    gen = torch.Generator().manual_seed(9)
+    accepted = 0
+    for _ in range(6):
+        prompt = torch.randint(1, 96, (10,), generator=gen).tolist()
+        ref = ar_generate(target, prompt, DecodeConfig(method="ar", max_new_tokens=32, stop_at_eos=False,
+                                                       dtype="float32")).tokens
+        cfg = DecodeConfig(method="sd", drafter="corpus", draft_len=6, max_new_tokens=32, stop_at_eos=False,
+                           dtype="float32", lean_forward=lean)
+        g = generate(cfg, target, prompt, heads=heads)
+        assert g.tokens == ref
+        accepted += g.stats.accepted
+    assert accepted > 0
+
+
+def test_the_batched_engine_drafts_from_the_corpus_token_identically(tiny_and_index):
+    from decoder.batch import batch_generate
+
+    target, heads = tiny_and_index
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (9, 17, 12, 25, 7)]
+    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=24, stop_at_eos=False,
+                                                dtype="float32")).tokens for p in prompts]
+    for ragged in (False, True):
+        cfg = DecodeConfig(method="sd", drafter="corpus", draft_len=5, max_new_tokens=24, stop_at_eos=False,
+                           dtype="float32", ragged_verify=ragged)
+        run = batch_generate(cfg, target, prompts, 3, heads=heads)
+        assert [r.tokens for r in run.results] == refs
+        assert run.stats.drafted > 0 and run.stats.accepted > 0
+    with pytest.raises(ValueError, match="corpus datastore"):
+        batch_generate(cfg, target, prompts, 2)
+
+
+def test_a_missing_or_foreign_datastore_is_refused_in_one_line(tmp_path, tiny_and_index):
+    target, _ = tiny_and_index
+    cfg = DecodeConfig(method="sd", drafter="corpus")
+    why = drafter_files_refusal(cfg, tmp_path, "T")
+    assert why == (f"no corpus datastore at {tmp_path / CORPUS_FILE}; make it with `specpilot train drafter --kind "
+                   f"corpus --target T`")
+    routed = DecodeConfig(method="sd", drafter="routed", route_code="corpus", lean_forward=True)
+    (tmp_path / "router.json").write_text("{}")
+    assert "no corpus datastore" in drafter_files_refusal(routed, tmp_path, "T")
+    CorpusIndex.build([1, 2, 3] * 5, vocab_size=8, nmax=2).save(tmp_path / CORPUS_FILE)
+    assert drafter_files_refusal(cfg, tmp_path, "T") is None
+    heads = FeatureHeads(tmp_path, target.config, torch.float32, torch.device("cpu"))
+    with pytest.raises(FeatureDrafterError, match="vocabulary of 8 tokens, the target's has 96"):
+        heads.corpus()
+
+
+@needs_demo
+def test_train_drafter_kind_corpus_writes_the_index_and_fails_in_one_line(tmp_path, capsys):
+    from workbench.cli import main
+
+    out = tmp_path / "d" / CORPUS_FILE
+    work = tmp_path / "w"
+    argv = ["train", "drafter", "--kind", "corpus", "--train-sequences", "8", "--out", str(out),
+            "--work-dir", str(work)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["path"] == str(out) and report["own_tokens"] == 8 * (128 + 6 + 1) and report["contexts"] > 100_000
+    index = CorpusIndex.load(out)
+    assert index.vocab_size == 6144 and index.nmax == 6
+    assert sorted(p.name for p in out.parent.iterdir()) == [CORPUS_FILE]
+    # The target's continuations are made once (shards under --work-dir) and reused.
+    assert len(list(work.glob("self-*.npy"))) == 1
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"prompt": "x", "tokens": [5, 6, 7, 8]}) + "\n")
+    assert main([*argv[:4], "--answers", str(answers), "--out", str(out), "--work-dir", str(work)]) == 0
+    assert json.loads(capsys.readouterr().out)["own_tokens"] == 5
+    (tmp_path / "file").write_text("a file where a folder should be")
+    for bad, msg in ((["--train-sequences", "-1"], "--train-sequences -1 must be 0 or more"),
+                     (["--out", str(tmp_path / "file" / CORPUS_FILE)], "cannot write")):
+        code = main([*argv[:4], "--train-sequences", "0", "--work-dir", str(work), "--out", str(out), *bad])
+        err = capsys.readouterr().err
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
