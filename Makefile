@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo bench loop-demo test test-slow lint train-demo train-drafters llama-cpp clean
+.PHONY: setup demo bench loop-demo test test-slow lint train-demo train-drafters corpus-drafter llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,12 @@ train-drafters: setup
 	$(VENV)/bin/specpilot train drafter --kind router
 	OMP_NUM_THREADS=1 $(VENV)/bin/specpilot train drafter --kind block
 	OMP_NUM_THREADS=1 $(VENV)/bin/specpilot train drafter --kind mtp
+
+# The demo target's corpus datastore (mechanism corpus-drafter, drafter = "corpus"): the corpus plus 8192 greedy
+# continuations of the target per domain, into decoder/assets/demo/target/drafters/corpus.npz (27 MB, not
+# committed). About 9 minutes on 2 cores; resumable (continuation shards are kept under the data dir).
+corpus-drafter: setup
+	$(VENV)/bin/specpilot train drafter --kind corpus
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -225,7 +225,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
             elif args.kind == "vocab":
                 print(json.dumps(train_vocab_rank(target, out, answers=answers, seed=args.seed)))
             else:
-                n = 4096 if args.train_sequences is None else args.train_sequences
+                n = 8192 if args.train_sequences is None else args.train_sequences
                 print(json.dumps(train_corpus_index(target, out, answers=answers, self_sequences=n, seed=args.seed,
                                                     work=Path(args.work_dir) if args.work_dir else None)))
         except ValueError as e:
@@ -465,8 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "corpus continuations; vocab: rank tokens by their counts in those answers")
     t.add_argument("--seed", type=int, default=0, help="drafter: seed of data order and initialisation")
     t.add_argument("--steps", type=int, help="drafter: optimiser steps (default: block 3500, mtp 8000)")
-    t.add_argument("--train-sequences", type=int, help="drafter: greedy sequences to distil on (default 4096); "
-                                                         "corpus: the target's continuations it indexes (0: none)")
+    t.add_argument("--train-sequences", type=int,
+                   help="drafter: greedy sequences to distil on (default 4096); corpus: the target's continuations "
+                        "it indexes per domain (default 8192; 0: none)")
     t.add_argument("--batch-size", type=int, help="drafter: sequences per step (default 16)")
     t.add_argument("--block-size", type=int, help="block: draft slots per block (default 8)")
     t.add_argument("--num-layers", type=int, help="block: drafter layers (default 1); smollm2-drafter: (default 2)")

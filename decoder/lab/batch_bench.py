@@ -134,7 +134,7 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
     prompts_name, prompts, tok, target, drafter = load_bench_inputs(
         target_dir, drafter_dir, needs_model, prompts_spec, prompt_dir, limit, dtype, device)
     heads = None
-    if any(c.drafter in FEATURE_DRAFTERS for c in method_cfgs.values()):
+    if any(c.drafter in (*FEATURE_DRAFTERS, "corpus") for c in method_cfgs.values()):
         heads = FeatureHeads(drafters_root or drafters_dir(target_dir), target.config, target.dtype, target.device)
         try:  # load now: a missing drafter is a usage error, not a crash mid-bench
             for c in method_cfgs.values():
@@ -143,6 +143,8 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
                 for kind in ({c.route_code, c.route_prose} if c.drafter == "routed" else {c.drafter}):
                     if kind in FEATURE_DRAFTERS:
                         heads.model(kind)
+                    elif kind == "corpus":
+                        heads.corpus()
         except FeatureDrafterError as e:
             raise BenchError(f"{e} (or drop the feature methods from --batch-methods)") from e
     eos = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id

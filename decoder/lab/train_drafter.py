@@ -592,16 +592,39 @@ def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upwei
 # ---------------------------------------------------------------- corpus datastore
 
 
+def domain_streams(target_dir: Path, cache_dir: Path) -> dict[str, np.ndarray]:
+    """The corpus's training split per domain (code, prose) under the target's tokenizer, documents joined by
+    EOS (cached as .npy)."""
+    from decoder.models import load_tokenizer
+
+    paths = {d: cache_dir / f"train-{d}.npy" for d in ("code", "prose")}
+    if all(p.exists() for p in paths.values()):
+        return {d: np.load(p) for d, p in paths.items()}
+    tok = load_tokenizer(target_dir)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    ids: dict[str, list[int]] = {"code": [], "prose": []}
+    for d in tqdm(all_documents(), desc="tokenize", file=sys.stderr, leave=False):
+        if split_of(d.id, d.domain) == "train":
+            ids[d.domain] += tok(d.text, add_special_tokens=False)["input_ids"] + [eos]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for d, p in paths.items():
+        out[d] = np.asarray(ids[d], dtype=np.int32)
+        _atomic_save_npy(p, out[d])
+    return out
+
+
 def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: Path | None = None,
-                       self_sequences: int = 4096, self_weight: int = 3, nmax: int = 6, min_count: int = 2,
+                       self_sequences: int = 8192, self_weight: int = 3, nmax: int = 6, min_count: int = 2,
                        seed: int = 0, work: Path | None = None) -> dict:
     """The corpus datastore of drafter = "corpus" (decoder/datastore.py), written to `<target>/drafters/corpus.npz`.
 
     Its text: the corpus's training split under the target's tokenizer, and what the target itself writes,
     counted `self_weight` times (a greedy target continues the way it continued before, more than the way the
-    corpus does): `self_sequences` greedy continuations (128 tokens) of training-split prefixes (128 tokens),
-    made in shards under `work` (resumable), or with `answers` (a chat deployment's own answers, as
-    `train drafter --answers`) those answers' tokens. Held-out documents never reach it."""
+    corpus does): per domain (code, prose: prose is 4% of the corpus's tokens, so its own text matters most
+    there) `self_sequences` greedy continuations (128 tokens) of training-split prefixes (128 tokens), made in
+    shards under `work` (resumable); or with `answers` (a chat deployment's own answers, as `train drafter
+    --answers`) those answers' tokens. Held-out documents never reach it."""
     from decoder.models import load_causal_lm, model_config
 
     target_dir = Path(target_dir)
@@ -611,7 +634,8 @@ def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: 
     eos = model_config(target_dir, "target").get("eos_token_id")
     eos = int(eos[0] if isinstance(eos, list) else eos or 0)
     t0 = time.perf_counter()
-    corpus = corpus_streams(target_dir, work / "tokens", 1)["train"].astype(np.int64)
+    domains = {d: a.astype(np.int64) for d, a in domain_streams(target_dir, work / "tokens").items()}
+    corpus = np.concatenate(list(domains.values()))
     own: list[np.ndarray] = []
     if answers is not None:
         own = [np.asarray(list(r["tokens"]) + [eos], dtype=np.int64) for r in read_answers(Path(answers))]
@@ -620,19 +644,19 @@ def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: 
         target = load_causal_lm(target_dir, "target")
         shard, prefix_len, gen_len = 256, 128, 128
         n_shards = math.ceil(self_sequences / shard)
-        for i in tqdm(range(n_shards), desc="greedy continuations (shards)", file=sys.stderr, dynamic_ncols=True):
-            path = work / f"self-p{prefix_len}-g{gen_len}-s{seed}-{i:03d}.npy"
+        plan = [(d, i) for d in domains for i in range(n_shards)]
+        for d, i in tqdm(plan, desc="greedy continuations (shards)", file=sys.stderr, dynamic_ncols=True):
+            path = work / f"self-{d}-p{prefix_len}-g{gen_len}-s{seed}-{i:03d}.npy"
             if not path.exists():
                 n = min(shard, self_sequences - i * shard)
-                rng = np.random.default_rng([seed, 11, i])
-                starts = rng.integers(0, len(corpus) - prefix_len - 1, size=n)
-                prefixes = torch.from_numpy(np.stack([corpus[s : s + prefix_len] for s in starts]))
+                rng = np.random.default_rng([seed, 11, i, 0 if d == "code" else 1])
+                starts = rng.integers(0, len(domains[d]) - prefix_len - 1, size=n)
+                prefixes = torch.from_numpy(np.stack([domains[d][s : s + prefix_len] for s in starts]))
                 gens = torch.cat([greedy_continue(target, prefixes[j : j + 64], gen_len) for j in range(0, n, 64)])
-                work.mkdir(parents=True, exist_ok=True)
                 _atomic_save_npy(path, torch.cat([prefixes, gens], dim=1).numpy().astype(np.int32))
             seqs = np.load(path).astype(np.int64)[:, prefix_len - nmax :]  # the continuation and its context
             own.extend(np.concatenate([s, [eos]]) for s in seqs)
-        source = f"{self_sequences} greedy continuations of the target"
+        source = f"{self_sequences} greedy continuations of the target per domain ({', '.join(domains)})"
     else:
         source = "none"
     stream = np.concatenate([corpus] + [np.concatenate(own)] * self_weight if own else [corpus])
