@@ -95,6 +95,7 @@ class CorpusIndex:
                 return cls(z["keys"], z["nexts"], nmax, min_count, vocab, n_tokens)
         except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = "not a .npz archive" if "pickle" in why else why
             raise DatastoreError(f"{path}: not a corpus index ({why}); remake it with `specpilot train drafter "
                                  f"--kind corpus`") from None
 

@@ -505,7 +505,8 @@ def run_bench(
             if any(m in CORPUS_METHODS for m in methods):
                 heads.corpus()
         except FeatureDrafterError as e:
-            raise BenchError(f"{e} (or drop {', '.join(FEATURE_METHODS)} with --methods)") from e
+            needing = [m for m in methods if feature_base(m) or m in RANKED_METHODS or m in CORPUS_METHODS]
+            raise BenchError(f"{e} (or drop {', '.join(needing)} with --methods)") from e
     bench = Bench(target, drafter, eos, cfg, ngram_draft_len, tree=tree, feature=feature, heads=heads)
     runners = bench.methods(methods)
     if peers is not None:
