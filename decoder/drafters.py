@@ -161,6 +161,6 @@ class CorpusDrafter(NgramDrafter):
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         proposal = super().lookup(tokens, k)
-        if len(proposal) < k:
-            proposal = proposal + self.corpus.draft(tokens + proposal, k - len(proposal))
+        if len(proposal) < k:  # the datastore reads the last nmax tokens only: no copy of the whole sequence
+            proposal = proposal + self.corpus.draft(tokens[-self.corpus.nmax :] + proposal, k - len(proposal))
         return proposal

@@ -51,7 +51,7 @@ from decoder.featdraft import (
     drafters_dir,
     save_feature_drafter,
 )
-from decoder.lab.corpus import all_documents, make_prompt, split_of
+from decoder.lab.corpus import all_documents, code_documents, make_prompt, prose_documents, split_of
 from decoder.lab.train import (
     _atomic_write_text,
     _lr_at,
@@ -593,25 +593,11 @@ def train_vocab_rank(target_dir: Path, out_path: Path | None = None, prose_upwei
 
 
 def domain_streams(target_dir: Path, cache_dir: Path) -> dict[str, np.ndarray]:
-    """The corpus's training split per domain (code, prose) under the target's tokenizer, documents joined by
-    EOS (cached as .npy)."""
-    from decoder.models import load_tokenizer
+    """The corpus's training split per domain (code, prose) under the target's tokenizer (cached)."""
+    from decoder.lab.train import tokenize_corpus
 
-    paths = {d: cache_dir / f"train-{d}.npy" for d in ("code", "prose")}
-    if all(p.exists() for p in paths.values()):
-        return {d: np.load(p) for d, p in paths.items()}
-    tok = load_tokenizer(target_dir)
-    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    ids: dict[str, list[int]] = {"code": [], "prose": []}
-    for d in tqdm(all_documents(), desc="tokenize", file=sys.stderr, leave=False):
-        if split_of(d.id, d.domain) == "train":
-            ids[d.domain] += tok(d.text, add_special_tokens=False)["input_ids"] + [eos]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for d, p in paths.items():
-        out[d] = np.asarray(ids[d], dtype=np.int32)
-        _atomic_save_npy(p, out[d])
-    return out
+    return {domain: tokenize_corpus(docs, target_dir, cache_dir / domain, 1)["train"]
+            for domain, docs in (("code", code_documents()), ("prose", prose_documents()))}
 
 
 def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: Path | None = None,
