@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder.config import FEATURE_DRAFTERS, LOOKUP_DRAFTERS, DecodeConfig, scheduled_draft_len, verify_width
-from decoder.drafters import CorpusDrafter, NgramDrafter
+from decoder.drafters import NgramDrafter
 from decoder.generate import make_proposer
 from decoder.lean import LeanLM
 from decoder.profiler import DecodeStats, PhaseTimer
@@ -435,8 +435,7 @@ class BatchEngine:
             stats = DecodeStats(target_forwards=1)
             s = _Slot(i, list(requests[i].prompt) + [tok], len(requests[i].prompt), stats, now)
             if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS:
-                s.ngram = (NgramDrafter(cfg.ngram_max, cfg.ngram_min, self.device) if cfg.drafter == "ngram" else
-                           CorpusDrafter(self._corpus(), cfg.ngram_max, cfg.ngram_min, self.device))
+                s.ngram = make_proposer(cfg, None, self.device, heads=self.heads)  # the loop's lookup drafter
                 s.ngram.reset(requests[i].prompt)
             if self.per_request:
                 s.proposer = self._proposer(requests[i].prompt, stats)
@@ -459,12 +458,6 @@ class BatchEngine:
             return self.heads.new_state(cfg.drafter, self.target.lean, cfg.draft_vocab if mtp else 0,
                                         cfg.mtp_tree_alts if mtp else 0)
         return make_proposer(cfg, self.drafter.lean if self.drafter else None, self.device, self.gen, heads=self.heads)
-
-    def _corpus(self):
-        """The corpus datastore every request's corpus drafter shares (decoder.datastore.CorpusIndex)."""
-        if self.heads is None:
-            raise ValueError("batched decoding: drafter = 'corpus' needs the target's corpus datastore (FeatureHeads)")
-        return self.heads.corpus()
 
     def _pack(self, rows: list[list[int]], qlens: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         """Host token rows -> (ids [T], per-request widths, last real row of each request). Ragged packing
