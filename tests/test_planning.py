@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decoder.config import DecodeConfig
+from workbench.agents.tuner import Candidate, compose
 from workbench.planning import plan_directions, registry_mechanisms
 
 BD = {"families": {"host-overhead": 5.0, "drafting": 2.7, "acceptance": 3.9, "kv": 0.0, "batching": 0.0},
@@ -109,3 +110,25 @@ def test_an_idle_agent_tries_the_knobs_of_a_family_measured_at_no_gain():
         "drafting"]  # explored on this base without a gain
     assert [d.family for d in plan_directions(bd, set(), agents=3, base_cfg=base, **{**kw, "agent": "llm"})[0]] == [
         "drafting"]  # an LLM agent goes where the cost model points
+
+
+def test_the_tuner_composes_a_rungs_winners_of_different_mechanisms():
+    """Winners that each beat the base join best first when they set keys the composition has not; two settings of
+    one mechanism do not; a combination the config refuses or the deployment cannot run is left out."""
+    base = DecodeConfig(method="sd", drafter="corpus", lean_forward=True)
+
+    def cand(source: str, **changes) -> Candidate:
+        return Candidate(changes, source, DecodeConfig(**{**base.as_dict(), **changes}))
+
+    cont = cand("continuous-batching", continuous_batching=True)
+    ragged = cand("ragged-verify", ragged_verify=True)
+    rows = cand("load-aware-drafting", load_aware_draft=True, load_aware_fixed_rows=256)
+    rows2 = cand("load-aware-drafting", load_aware_draft=True, load_aware_fixed_rows=8)
+    both = compose([cont, rows2, ragged, rows], base)
+    assert both is not None and both.source == "composed:continuous-batching+load-aware-drafting+ragged-verify"
+    assert both.changes == {"continuous_batching": True, "load_aware_draft": True, "load_aware_fixed_rows": 8,
+                            "ragged_verify": True}
+    assert both.cfg.continuous_batching and both.cfg.ragged_verify and both.cfg.load_aware_fixed_rows == 8
+    assert compose([cont], base) is None and compose([rows, rows2], base) is None
+    no_ragged = compose([cont, ragged, rows], base, refuse=lambda c: "no" if c.ragged_verify else None)
+    assert no_ragged is not None and "ragged_verify" not in no_ragged.changes

@@ -135,6 +135,31 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
     return out
 
 
+def compose(winners: list[Candidate], base: DecodeConfig, refuse: Callable[[DecodeConfig], str | None] | None = None,
+            contract: Contract = TORCH) -> Candidate | None:
+    """The rung's winners that each beat the base, composed best first: a later one joins when it sets only keys
+    the composition has not set (two mechanisms, not two settings of one) and the composed config is valid and
+    runnable (`refuse`). None unless at least two join. Ragged verify and continuous batching each gain a little
+    alone on a lookup drafter's base under load and much more together: one mechanism per candidate never finds it."""
+    changes: dict = {}
+    parts: list[str] = []
+    for c in winners:
+        if set(c.changes) & set(changes):
+            continue
+        trial = {**changes, **c.changes}
+        try:
+            cfg = contract.config(**{**base.as_dict(), **trial})
+        except (ConfigError, TypeError):
+            continue
+        if refuse is not None and refuse(cfg):
+            continue
+        changes = trial
+        parts.append(c.source)
+    if len(parts) < 2:
+        return None
+    return Candidate(changes, "composed:" + "+".join(parts), contract.config(**{**base.as_dict(), **changes}))
+
+
 def mechanism_name(changes: dict, contract: Contract = TORCH) -> str:
     """The registry mechanisms a change touches, with the values it set."""
     def touched(m) -> bool:  # one of its defining keys moved to a value of its own
@@ -267,7 +292,12 @@ class TunerAgent:
                     break
                 if rung < len(self.rungs) - 1:
                     top = max(1, math.ceil(len(alive) * KEEP))
+                    winners = [c for c in alive if scores[c.key] > scores[base_c.key]]
                     alive = alive[:top] + [c for c in alive[top:] if c.defaults]
+                    both = compose(winners, base, self.ws.refusal, self.contract)
+                    if both is not None and both.key not in {c.key for c in alive}:
+                        ctx.log("tuner.compose", f"composed {both.source}", {"changes": both.changes})
+                        alive.insert(0, both)  # scored from the next rung on, beside the mechanisms it joins
             # The finalist against the current config, interleaved (A B, B A) on every visible prompt,
             # single sequential runs on a shared machine are too noisy to decide on.
             if transferred is None and alive and not ctx.stop.is_set():
