@@ -132,3 +132,15 @@ def test_the_tuner_composes_a_rungs_winners_of_different_mechanisms():
     assert compose([cont], base) is None and compose([rows, rows2], base) is None
     no_ragged = compose([cont, ragged, rows], base, refuse=lambda c: "no" if c.ragged_verify else None)
     assert no_ragged is not None and "ragged_verify" not in no_ragged.changes
+
+
+def test_a_family_that_just_came_up_empty_ranks_after_one_never_tried():
+    """Acceptance (3.9) outranks drafting (2.7) until an earlier direction of it kept nothing; the explored-and-
+    empty family still runs when a slot is free, and memory still goes first."""
+    assert [d.family for d in _plan()[0]] == ["host-overhead", "acceptance"]
+    assert [d.family for d in _plan(fruitless={"acceptance"})[0]] == ["host-overhead", "drafting"]
+    assert [d.family for d in _plan(fruitless={"acceptance"}, agents=3)[0]] == ["host-overhead", "drafting",
+                                                                                 "acceptance"]
+    assert [d.family for d in _plan(fruitless={"host-overhead", "acceptance"})[0]] == ["drafting", "host-overhead"]
+    mem = {"acceptance": [{"name": "tree", "config": {"verify": "tree"}}]}
+    assert _plan(memory=mem, fruitless={"acceptance"}, transfer_tried=True)[0][0].family == "acceptance"

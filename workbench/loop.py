@@ -163,6 +163,19 @@ class Loop:
                 out |= {d["family"] for d in r.summary.get("directions", [])}
         return out
 
+    def fruitless(self) -> set[str]:
+        """Families whose last direction this session kept nothing, on whatever base: after a base move they may
+        be explored again (`exhausted` resets), but after the families not yet tried (planning's order)."""
+        out: set[str] = set()
+        for r in self.rounds():
+            if r.status != "done":
+                continue
+            for d in r.summary.get("directions", []):
+                kept = any(a.get("direction") == d["family"] and a.get("status") == "keep"
+                           for a in r.summary.get("attempts", []))
+                (out.discard if kept else out.add)(d["family"])
+        return out
+
     def transfer_tried(self) -> bool:
         return self._transfer_tried or any(r.summary.get("transfer_tried") for r in self.rounds())
 
@@ -230,7 +243,8 @@ class Loop:
             except ConfigError as e:
                 self.say(f"the built-in tuner cannot read the base config ({e}); it skips this round")
                 return []
-        out, tried = plan_directions(breakdown, exhausted, agents=self.opts.agents, agent=self.opts.agent,
+        out, tried = plan_directions(breakdown, exhausted, fruitless=self.fruitless(), agents=self.opts.agents,
+                                     agent=self.opts.agent,
                                      device=device, base_cfg=base_cfg, memory_for=self._memory_for,
                                      transfer_tried=self.transfer_tried(), refuse=self.ws.refusal,
                                      contract=self.ws.contract,

@@ -24,13 +24,18 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
                     base_cfg: DecodeConfig | None, memory_for: Callable[[str], list[dict]],
                     transfer_tried: bool, refuse: Callable[[DecodeConfig], str | None] | None = None,
                     contract: Contract = TORCH,
-                    kernels_for: Callable[[str], list] | None = None) -> tuple[list[Direction], bool]:
+                    kernels_for: Callable[[str], list] | None = None,
+                    fruitless: set[str] | None = None) -> tuple[list[Direction], bool]:
     """Up to `agents` directions from the gap breakdown, largest gap first (families where other deployments
     accepted mechanisms first among equals), skipping families explored without a gain (`exhausted`), with
     nothing to gain, or, for the tuner, with nothing left to turn on `base_cfg`. The first time memory has
     something (`transfer_tried` false), the first agent also composes every mechanism accepted elsewhere.
     A family with a known kernel patch the base does not carry (`kernels_for`, a workspace carrying the engine's
     source) has something for the tuner even with nothing left to turn in the config.
+    Families whose last direction kept nothing (`fruitless`: explored on an earlier base, so not `exhausted`)
+    rank after those not tried yet, largest gap first within each: with gaps of near-equal size, a family that
+    just came up empty (acceptance, with MTP trees that lose on a lookup drafter) does not take the slot of one
+    never tried (batching, whose knobs are tuned on the drafter the base has now).
     Returns (directions, whether that transfer was tried now)."""
     fams = sorted(breakdown["families"].items(), key=lambda kv: -kv[1])
     out = []
@@ -52,7 +57,8 @@ def plan_directions(breakdown: dict, exhausted: set[str], *, agents: int, agent:
             mechs = mechs + [{"name": k.name, "kernel": k.patch.name, "summary": k.summary} for k in kernels]
         gap_names = [g["name"] for g in breakdown["gaps"] if g["family"] == fam]
         out.append(Direction(fam, ms, f"{fam}: {ms:.3f} ms/token ({', '.join(gap_names)})", mechs, memory))
-    out.sort(key=lambda d: (not d.memory, -d.gap_ms))
+    fruitless = fruitless or set()
+    out.sort(key=lambda d: (not d.memory, d.family in fruitless, -d.gap_ms))
     if agent == "tuner" and base_cfg is not None and len(out) < agents:
         out += _unpriced(breakdown, fams, exhausted, {d.family for d in out}, device=device, base_cfg=base_cfg,
                          memory_for=memory_for, refuse=refuse, contract=contract)
