@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decoder.config import DecodeConfig
-from workbench.agents.tuner import Candidate, compose
+from workbench.agents.tuner import Candidate, compose, compositions
 from workbench.planning import plan_directions, registry_mechanisms
 
 BD = {"families": {"host-overhead": 5.0, "drafting": 2.7, "acceptance": 3.9, "kv": 0.0, "batching": 0.0},
@@ -130,6 +130,10 @@ def test_the_tuner_composes_a_rungs_winners_of_different_mechanisms():
                             "ragged_verify": True}
     assert both.cfg.continuous_batching and both.cfg.ragged_verify and both.cfg.load_aware_fixed_rows == 8
     assert compose([cont], base) is None and compose([rows, rows2], base) is None
+    pairs = compositions([cont, rows2, ragged, rows], base)
+    assert [c.source for c in pairs] == ["composed:continuous-batching+load-aware-drafting",
+                                         "composed:continuous-batching+ragged-verify",
+                                         "composed:load-aware-drafting+ragged-verify", both.source]
     no_ragged = compose([cont, ragged, rows], base, refuse=lambda c: "no" if c.ragged_verify else None)
     assert no_ragged is not None and "ragged_verify" not in no_ragged.changes
 

@@ -35,6 +35,7 @@ MAX_GRID = 12  # candidates per mechanism, sampled deterministically from larger
 RUNGS = ((2, 32), (4, 64))  # (prompts, tokens) per rung; the finalist is then paired on every visible prompt
 KEEP = 1 / 3
 MIN_GAIN = 1.03  # the winner must beat the current config by this factor at the last rung
+COMPOSE_TOP = 3  # a rung's best winners composed pairwise for the next rung
 MAX_MEMORY = 6  # memory configs (composition first) paired against the current config before any search
 
 
@@ -158,6 +159,24 @@ def compose(winners: list[Candidate], base: DecodeConfig, refuse: Callable[[Deco
     if len(parts) < 2:
         return None
     return Candidate(changes, "composed:" + "+".join(parts), contract.config(**{**base.as_dict(), **changes}))
+
+
+def compositions(winners: list[Candidate], base: DecodeConfig,
+                 refuse: Callable[[DecodeConfig], str | None] | None = None, contract: Contract = TORCH,
+                 top: int = COMPOSE_TOP) -> list[Candidate]:
+    """Every pair of the best `top` winners of different mechanisms, then all winners composed (`compose`): a
+    short rung's noise lets a mechanism that hurts (a load schedule beside ragged verify) beat the base, and the
+    composition of everything carries it; a pair of the two that pay does not (session 22's batching tuner
+    composed five and kept ragged verify alone)."""
+    out: list[Candidate] = []
+    for a, b in itertools.combinations(winners[:top], 2):
+        c = compose([a, b], base, refuse, contract)
+        if c is not None and c.key not in {x.key for x in out}:
+            out.append(c)
+    c = compose(winners, base, refuse, contract)
+    if c is not None and c.key not in {x.key for x in out}:
+        out.append(c)
+    return out
 
 
 def mechanism_name(changes: dict, contract: Contract = TORCH) -> str:
@@ -294,10 +313,10 @@ class TunerAgent:
                     top = max(1, math.ceil(len(alive) * KEEP))
                     winners = [c for c in alive if scores[c.key] > scores[base_c.key]]
                     alive = alive[:top] + [c for c in alive[top:] if c.defaults]
-                    both = compose(winners, base, self.ws.refusal, self.contract)
-                    if both is not None and both.key not in {c.key for c in alive}:
-                        ctx.log("tuner.compose", f"composed {both.source}", {"changes": both.changes})
-                        alive.insert(0, both)  # scored from the next rung on, beside the mechanisms it joins
+                    for both in compositions(winners, base, self.ws.refusal, self.contract):
+                        if both.key not in {c.key for c in alive}:
+                            ctx.log("tuner.compose", f"composed {both.source}", {"changes": both.changes})
+                            alive.insert(0, both)  # scored from the next rung on, beside the mechanisms it joins
             # The finalist against the current config, interleaved (A B, B A) on every visible prompt,
             # single sequential runs on a shared machine are too noisy to decide on.
             if transferred is None and alive and not ctx.stop.is_set():
