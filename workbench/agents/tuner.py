@@ -144,6 +144,7 @@ def compose(winners: list[Candidate], base: DecodeConfig, refuse: Callable[[Deco
     alone on a lookup drafter's base under load and much more together: one mechanism per candidate never finds it."""
     changes: dict = {}
     parts: list[str] = []
+    composed = base
     for c in winners:
         if set(c.changes) & set(changes):
             continue
@@ -154,11 +155,9 @@ def compose(winners: list[Candidate], base: DecodeConfig, refuse: Callable[[Deco
             continue
         if refuse is not None and refuse(cfg):
             continue
-        changes = trial
+        changes, composed = trial, cfg
         parts.append(c.source)
-    if len(parts) < 2:
-        return None
-    return Candidate(changes, "composed:" + "+".join(parts), contract.config(**{**base.as_dict(), **changes}))
+    return Candidate(changes, "composed:" + "+".join(parts), composed) if len(parts) >= 2 else None
 
 
 def compositions(winners: list[Candidate], base: DecodeConfig,
