@@ -140,8 +140,8 @@ def compose(winners: list[Candidate], base: DecodeConfig, refuse: Callable[[Deco
             contract: Contract = TORCH) -> Candidate | None:
     """The rung's winners that each beat the base, composed best first: a later one joins when it sets only keys
     the composition has not set (two mechanisms, not two settings of one) and the composed config is valid and
-    runnable (`refuse`). None unless at least two join. Ragged verify and continuous batching each gain a little
-    alone on a lookup drafter's base under load and much more together: one mechanism per candidate never finds it."""
+    runnable (`refuse`). None unless at least two join: with one mechanism per candidate, two that pay only
+    together (or each a little, and more side by side) are never tried as one."""
     changes: dict = {}
     parts: list[str] = []
     composed = base
@@ -168,13 +168,10 @@ def compositions(winners: list[Candidate], base: DecodeConfig,
     composition of everything carries it; a pair of the two that pay does not (session 22's batching tuner
     composed five and kept ragged verify alone)."""
     out: list[Candidate] = []
-    for a, b in itertools.combinations(winners[:top], 2):
-        c = compose([a, b], base, refuse, contract)
+    for group in [*itertools.combinations(winners[:top], 2), winners]:
+        c = compose(list(group), base, refuse, contract)
         if c is not None and c.key not in {x.key for x in out}:
             out.append(c)
-    c = compose(winners, base, refuse, contract)
-    if c is not None and c.key not in {x.key for x in out}:
-        out.append(c)
     return out
 
 
