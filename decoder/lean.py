@@ -39,11 +39,49 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # keyed by a
 # Mechanism onednn-matmul: the row count oneDNN packs the weights for (any row count runs; measured on this CPU,
 # SmolLM2 f32: packing for 4 or 16 rows gave the same ~30-40 ms per forward's matmuls at 1 to 8 rows).
 ONEDNN_PACK_ROWS = 16
+# oneDNN builds a primitive for every (row count, weight shape) it meets, the first time: 0.3-0.4 ms at a few rows
+# and ~5 ms at a prefill's 2,000 (measured on this CPU, demo target), more than the matmul itself. So every new
+# prompt length paid ~10 ms on its prefill (20 against 11 ms at 150-350 tokens) and every verify width its first
+# time. The backend therefore pads a call's rows up to the next bucket of ONEDNN_BUCKETS (exact counts to 64, the
+# verify widths; then steps of 64 rows to 1,024 rows and a step that doubles each doubling: at most 12.5% more
+# rows, which cost the matmul nothing measurable) and builds every bucket's primitive when it packs, up to
+# ONEDNN_WARM_MAX rows (the LM head, called at verify widths, up to 64). Padding rows are zeros, dropped after the
+# call; each real row's product is bit-identical to the unpadded call's (tests/test_lean.py).
+ONEDNN_BUCKETS = ((64, 1), (1024, 64), (2048, 128), (4096, 256), (8192, 512), (1 << 62, 1024))  # (up to, multiple of)
+ONEDNN_WARM_MAX = 4096
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LeanUnsupported(ValueError):
     """The model's architecture is outside what the lean forward implements."""
+
+
+def onednn_rows(t: int) -> int:
+    """The row count a oneDNN call of t rows runs at (ONEDNN_BUCKETS)."""
+    for limit, step in ONEDNN_BUCKETS:
+        if t <= limit:
+            return -(-t // step) * step
+    raise AssertionError("the last bucket has no limit")
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ W^T (+ b) on oneDNN's packed weight, at a bucketed row count (see ONEDNN_BUCKETS)."""
+    t = x.shape[0]
+    pad = onednn_rows(t) - t
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return y[:t] if pad else y
+
+
+def _warm_onednn(packed: list[tuple[torch.Tensor, int, int]], dtype: torch.dtype) -> None:
+    """Build oneDNN's primitive of every bucketed row count up to each weight's limit: (packed weight, in, rows)."""
+    buckets = sorted({onednn_rows(t) for t in range(1, ONEDNN_WARM_MAX + 1)})
+    for w, d_in, most in packed:
+        for t in buckets:
+            if t > most:
+                break
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(t, d_in, dtype=dtype), w, None, "none", [], "")
 
 
 @dataclass
@@ -214,6 +252,10 @@ class LeanLM:
             with torch.no_grad():
                 for w in self._matmul_weights():
                     packed[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+                heads = {id(self.lm_head), id(self._head_rows)}
+                shapes = {(tuple(w.shape), id(w) in heads): w for w in self._matmul_weights()}  # one per shape
+                _warm_onednn([(packed[id(w)], w.shape[1], ONEDNN_BUCKETS[0][0] if head else ONEDNN_WARM_MAX)
+                              for (_, head), w in shapes.items()], self.dtype)
         self.matmul_backend, self._packed = backend, packed
 
     def set_transposed_rows(self, rows: int) -> None:
@@ -232,7 +274,7 @@ class LeanLM:
             y = x @ self._wt[id(w)]
             return y if b is None else y + b
         if self._packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed[id(w)], b, "none", [], "")
+            return _onednn_linear(x, self._packed[id(w)], b)
         return F.linear(x, w, b)
 
     def new_cache(self, max_len: int | None = None) -> LeanCache:

@@ -9,7 +9,7 @@ from conftest import needs_demo, tiny_llama
 from decoder.config import ConfigError, DecodeConfig
 from decoder.drafters import DraftModelDrafter, NgramDrafter
 from decoder.generate import HFRunner, ar_generate, crop_cache, speculative_generate
-from decoder.lean import LeanLM, LeanUnsupported
+from decoder.lean import ONEDNN_BUCKETS, ONEDNN_WARM_MAX, LeanLM, LeanUnsupported, _onednn_linear, onednn_rows
 
 
 @needs_demo
@@ -151,6 +151,28 @@ def test_transposed_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_promp
         DecodeConfig(matmul_t_rows=3)
     with pytest.raises(ConfigError, match="use 0 \\(off\\) to 16 rows"):
         DecodeConfig(lean_forward=True, matmul_t_rows=17)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_onednn_row_buckets_pad_without_changing_a_product(dtype):
+    """The oneDNN backend runs a call at a bucketed row count (so a new prompt length meets a primitive built at
+    packing): exact counts up to the verify widths, then coarser steps, never more than 12.5% padding past 512 rows;
+    the zero rows are dropped and every real row's product is bit-identical to the unpadded call's."""
+    limit0, _ = ONEDNN_BUCKETS[0]
+    assert [onednn_rows(t) for t in range(1, limit0 + 1)] == list(range(1, limit0 + 1))
+    seen = [onednn_rows(t) for t in range(1, 3 * ONEDNN_WARM_MAX)]
+    assert all(a <= b for a, b in zip(seen, seen[1:], strict=False)) and all(r >= t for t, r in enumerate(seen, 1))
+    assert all((onednn_rows(t) - t) / t <= 0.125 for t in range(513, 3 * ONEDNN_WARM_MAX))
+    assert len({onednn_rows(t) for t in range(1, ONEDNN_WARM_MAX + 1)}) <= 100  # what packing builds stays small
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(48, 40, generator=g) * 0.1).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    for t in (1, 9, 64, 65, 300, 513, 4097):
+        x = torch.randn(t, 40, generator=g).to(dtype)
+        y = _onednn_linear(x, packed, None)
+        assert y.shape == (t, 48)
+        assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
 
 
 @torch.inference_mode()
