@@ -136,7 +136,12 @@ class BatchLM:
         range_start[slot_t - lo] = torch.tensor(starts, device=dev)
         qpos = range_start[:, None] + torch.arange(qmax, device=dev)[None, :]  # [n_range, qmax]
         # Key j is visible to a query at position p when j <= p: own cache plus own earlier rows.
-        mask = (torch.arange(Lk, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]  # [n_range, 1, qmax, Lk]
+        # A prefill of every request from position 0 (no tree, no window in reach): each row sees keys 0..its own
+        # row, which SDPA computes as plain causal attention over the padded layout (Lk = qmax), without a mask.
+        causal = (max(starts) == 0 and not any(t is not None for t in trees or ()) and Lk == qmax
+                  and (lean.window is None or Lk <= lean.window))
+        mask = None if causal else (
+            torch.arange(Lk, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]  # [n_range, 1, qmax, Lk]
         for r, t in enumerate(trees or ()):
             if t is not None:  # the root and the nodes see the root and their ancestors only, not the siblings
                 n, st, row = t[1].shape[0], starts[r], slots[r] - lo
@@ -164,6 +169,7 @@ class BatchLM:
             att = lean.attention(
                 qpad.view(n_range, qmax, lean.n_heads, lean.head_dim).transpose(1, 2),
                 cache.k[li, lo:hi, :, :Lk], cache.v[li, lo:hi, :, :Lk], sw_mask if lean.sliding[li] else mask,
+                causal,
             )  # [n_range, H, qmax, hd]
             return att.transpose(1, 2).reshape(n_range * qmax, lean.q_size)[dest]  # [T, H*hd]
 

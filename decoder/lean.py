@@ -311,11 +311,16 @@ class LeanLM:
         x = F.embedding(ids, self.embed)
         return x if self.embed_scale is None else x * self.embed_scale
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  causal: bool = False) -> torch.Tensor:
         """q [B, H, q, hd], k and v [B, KV, L, hd], mask (True = may attend) broadcast to [B, H, q, L]
-        or None -> [B, H, q, hd]."""
+        or None -> [B, H, q, hd]. `causal` (mask None, q = L: a prefill from position 0): query i sees keys 0..i,
+        which SDPA's flash kernel computes without the masked half (the same result as the lower-triangle mask)."""
         if self.attn_softcap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.gqa,
+                                                  scale=self.scale)
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         # Gemma 2 soft-caps the scores (tanh) before the mask and softmax, which SDPA cannot express.
         if self.gqa:
             rep = self.n_heads // self.n_kv
@@ -388,7 +393,9 @@ class LeanLM:
         x = self.embed_ids(ids)  # [q, D]
         hidden: list[torch.Tensor] = []
         mask = attn_mask
-        if mask is None and q > 1:  # block-causal: new token i sees the cache and new tokens 0..i
+        # A prefill from position 0 (no window in reach): plain causal attention, no mask to build or read.
+        causal = mask is None and q > 1 and start == 0 and (self.window is None or end <= self.window)
+        if mask is None and q > 1 and not causal:  # block-causal: new token i sees the cache and new tokens 0..i
             mask = torch.ones(q, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
         # Sliding-window layers: a query at position p sees keys at positions p - window < j <= p. Keys
         # before slot `lo` are outside every query's window, so those layers read the cache from lo on.
@@ -410,7 +417,7 @@ class LeanLM:
             cache.v[li, :, start:end] = vh.transpose(0, 1)
             k0, m = (lo, sw_mask) if self.sliding[li] else (0, mask)
             att = self.attention(qh.transpose(0, 1)[None], cache.k[li : li + 1, :, k0:end],
-                                 cache.v[li : li + 1, :, k0:end], m)  # [1, H, q, hd]
+                                 cache.v[li : li + 1, :, k0:end], m, causal)  # [1, H, q, hd]
             return att[0].transpose(0, 1).reshape(q, self.q_size)
 
         for li in range(len(self.layers)):
