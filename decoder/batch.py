@@ -311,11 +311,14 @@ class BatchEngine:
         if cfg.method == "sd" and uses_model:
             self.drafter = drafter_model if isinstance(drafter_model, BatchLM) else BatchLM(drafter_model)
             self.draft_cost = _n_params(self.drafter.lean) / _n_params(self.target.lean)
-        for lm in (self.target, self.drafter):  # mechanisms transposed-matmul, onednn-matmul: this config decides
+        # Mechanisms transposed-matmul, onednn-matmul, fused-mlp: this config decides.
+        for lm in (self.target, self.drafter):
             if lm is not None and lm.lean.t_rows != cfg.matmul_t_rows:
                 lm.lean.set_transposed_rows(cfg.matmul_t_rows)
             if lm is not None and lm.lean.matmul_backend != cfg.matmul_backend:
                 lm.lean.set_matmul_backend(cfg.matmul_backend)
+            if lm is not None and lm.lean.fused_rows != cfg.fused_mlp_rows:  # mechanism fused-mlp
+                lm.lean.set_fused_mlp_rows(cfg.fused_mlp_rows)
         self.capture = None
         if self.per_request and cfg.drafter in FEATURE_DRAFTERS:
             if heads is None:

@@ -249,6 +249,9 @@ class DecodeConfig(ConfigTable):
     # Mechanism onednn-matmul: "onednn" = the lean forward's matmuls on weights packed once for oneDNN's linear
     # (CPU; nearly flat cost from 1 to 16 rows where float32 F.linear is not). Stock "torch" = F.linear.
     matmul_backend: str = "torch"
+    # Mechanism fused-mlp: lean forward calls of at least this many rows (a prefill) run the SiLU MLP as two oneDNN
+    # matmuls with the activation and the product fused into them (0 = off; needs matmul_backend = "onednn").
+    fused_mlp_rows: int = 0
     cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
     # Batching mechanisms (decoder/batch.py; used by the batched engine only, all off in stock).
@@ -316,6 +319,10 @@ class DecodeConfig(ConfigTable):
                                         "\"torch\"")
         if self.matmul_backend == "onednn" and self.device != "cpu":
             raise bad("matmul_backend", "oneDNN runs on the CPU; use \"torch\" on " + repr(self.device))
+        if not 0 <= self.fused_mlp_rows <= 65536:
+            raise bad("fused_mlp_rows", "use 0 (off) or the fewest rows a fused call takes, up to 65536")
+        if self.fused_mlp_rows and self.matmul_backend != "onednn":
+            raise bad("fused_mlp_rows", "it fuses into oneDNN's matmuls; set matmul_backend = \"onednn\" or use 0")
         if self.weight_format not in ("bf16", "w12"):
             raise bad("weight_format", "choose bf16 or w12")
         if self.weight_format == "w12" and self.lean_forward:

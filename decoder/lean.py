@@ -74,13 +74,15 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None
     return y[:t] if pad else y
 
 
+def _buckets(least: int, most: int) -> list[int]:
+    """The bucketed row counts a call of `least`..`most` rows runs at."""
+    return sorted({onednn_rows(t) for t in range(least, most + 1)})
+
+
 def _warm_onednn(packed: list[tuple[torch.Tensor, int, int]], dtype: torch.dtype) -> None:
     """Build oneDNN's primitive of every bucketed row count up to each weight's limit: (packed weight, in, rows)."""
-    buckets = sorted({onednn_rows(t) for t in range(1, ONEDNN_WARM_MAX + 1)})
     for w, d_in, most in packed:
-        for t in buckets:
-            if t > most:
-                break
+        for t in _buckets(1, most):
             torch.ops.mkldnn._linear_pointwise(torch.zeros(t, d_in, dtype=dtype), w, None, "none", [], "")
 
 
@@ -215,6 +217,7 @@ class LeanLM:
         self.inter = self.layers[0].wgu.shape[0] // 2
         self.t_rows, self._wt = 0, {}
         self.matmul_backend, self._packed = "torch", {}
+        self.fused_rows, self._fused = 0, []  # mechanism fused-mlp: from this many rows, per layer (gate, up) packed
         self._head_ids: torch.Tensor | None = None  # draft-vocab on a draft model: the tokens its head scores
         self._head_rows: torch.Tensor | None = None
 
@@ -257,6 +260,45 @@ class LeanLM:
                 _warm_onednn([(packed[id(w)], w.shape[1], ONEDNN_BUCKETS[0][0] if head else ONEDNN_WARM_MAX)
                               for (_, head), w in shapes.items()], self.dtype)
         self.matmul_backend, self._packed = backend, packed
+        if self.fused_rows:
+            self.set_fused_mlp_rows(self.fused_rows if packed else 0)
+
+    def set_fused_mlp_rows(self, rows: int) -> None:
+        """Mechanism fused-mlp: calls of at least `rows` rows run the MLP as gate = swish(x Wg) and up = (x Wu) * gate,
+        each one oneDNN matmul with the activation or the product fused as a post-op, instead of one gate/up matmul,
+        SiLU and a product, each a pass over the [T, 2I] activations (a prefill's; at a few rows the two calls cost
+        more than the passes save). The same products; the activation and product are applied before the bf16
+        rounding of the matmul's output, so forcing judges any changed token by its margin. 0 turns it off."""
+        if rows and not self._packed:
+            raise LeanUnsupported("lean forward: fused_mlp_rows fuses into oneDNN's matmuls; set matmul_backend = "
+                                  "\"onednn\" first")
+        if rows and self.act is not F.silu:
+            raise LeanUnsupported(f"lean forward: fused_mlp_rows fuses a SiLU MLP; this model's activation is "
+                                  f"{_activation_name(self.config)!r}: use 0")
+        fused = []
+        if rows:
+            pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=ONEDNN_PACK_ROWS)
+            with torch.no_grad():
+                for ly in self.layers:
+                    b = (None, None) if ly.bgu is None else (ly.bgu[: self.inter], ly.bgu[self.inter :])
+                    fused.append((pack(ly.wgu[: self.inter].contiguous()), pack(ly.wgu[self.inter :].contiguous()), *b))
+                gate, up = fused[0][0], fused[0][1]
+                x = functools.partial(torch.zeros, dtype=self.dtype)
+                for t in _buckets(rows, ONEDNN_WARM_MAX):  # their primitives, as packing builds the plain ones
+                    g = torch.ops.mkldnn._linear_pointwise(x(t, self.config.hidden_size), gate, None, "swish", [], "")
+                    torch.ops.mkldnn._linear_pointwise.binary(x(t, self.config.hidden_size), g, up, None, "mul")
+        self.fused_rows, self._fused = rows, fused
+
+    def _fused_mlp(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        """silu(h Wg + bg) * (h Wu + bu) [T, I] in two oneDNN calls at a bucketed row count (mechanism fused-mlp)."""
+        wg, wu, bg, bu = self._fused[li]
+        t = h.shape[0]
+        pad = onednn_rows(t) - t
+        if pad:
+            h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+        g = torch.ops.mkldnn._linear_pointwise(h, wg, bg, "swish", [], "")
+        out = torch.ops.mkldnn._linear_pointwise.binary(h, g, wu, bu, "mul")
+        return out[:t] if pad else out
 
     def set_transposed_rows(self, rows: int) -> None:
         """Mechanism transposed-matmul: calls of up to `rows` rows multiply by a contiguous transposed copy of each
@@ -348,8 +390,13 @@ class LeanLM:
         if ly.post_attn is not None:
             o = self.norm(o, ly.post_attn)
         x = x + o
-        gu = self.mm(self.norm(x, ly.ln2), ly.wgu, ly.bgu)  # [T, 2I]
-        mlp = self.mm(self.act(gu[:, : self.inter]) * gu[:, self.inter :], ly.wdown, ly.bdown)
+        h = self.norm(x, ly.ln2)
+        if self.fused_rows and t >= self.fused_rows:
+            act = self._fused_mlp(li, h)
+        else:
+            gu = self.mm(h, ly.wgu, ly.bgu)  # [T, 2I]
+            act = self.act(gu[:, : self.inter]) * gu[:, self.inter :]
+        mlp = self.mm(act, ly.wdown, ly.bdown)
         if ly.post_mlp is not None:
             mlp = self.norm(mlp, ly.post_mlp)
         return x + mlp

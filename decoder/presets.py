@@ -17,6 +17,7 @@ NGRAM_DRAFT_LEN = 8  # `specpilot bench --ngram-draft-len` default: lookup draft
 DCUT_MAX_LEN = 6  # sd-dcut's cap on a draft (the cut usually stops it earlier)
 BLOCK_DRAFT_LEN = 8
 MTP_DRAFT_LEN = 6
+FUSED_MLP_ROWS = 128  # fused-mlp presets: calls of at least this many rows (measured on this CPU: 1.05x at 128 rows)
 
 PRESETS: dict[str, dict] = {
     "ar": {"method": "ar"},
@@ -41,6 +42,12 @@ PRESETS: dict[str, dict] = {
     "sd-corpus-lean": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True},
     "sd-corpus-lean-dnn": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                            "matmul_backend": "onednn"},
+    # Mechanism fused-mlp on top of onednn-matmul: from FUSED_MLP_ROWS rows (a prefill), the MLP's SiLU and product
+    # ride on oneDNN's matmuls.
+    "ar-lean-fused": {"method": "ar", "lean_forward": True, "matmul_backend": "onednn",
+                      "fused_mlp_rows": FUSED_MLP_ROWS},
+    "sd-corpus-lean-fused": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                             "matmul_backend": "onednn", "fused_mlp_rows": FUSED_MLP_ROWS},
     # Mechanism weight_format = "w12".
     "ar-w12": {"method": "ar", "weight_format": "w12"},
     "sd-draft-model-w12": {"weight_format": "w12"},

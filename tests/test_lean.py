@@ -213,6 +213,47 @@ def test_onednn_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
 
 
 @torch.inference_mode()
+def test_fused_mlp_matches_the_plain_mlp_and_keeps_tokens(tiny_fp32, tiny_prompts):
+    """Mechanism fused-mlp: calls of at least fused_mlp_rows rows compute the SiLU MLP with the activation and the
+    product fused into oneDNN's matmuls; logits agree with the unfused oneDNN forward within f32 rounding above
+    and at the threshold, are bit-identical below it, SD stays token-identical to AR, and bad values are one-line
+    errors (no oneDNN, a GELU model, a bad row count)."""
+    from decoder.generate import generate
+
+    model = tiny_fp32[0]
+    dnn, fused = LeanLM(model), LeanLM(model)
+    dnn.set_matmul_backend("onednn")
+    fused.set_matmul_backend("onednn")
+    fused.set_fused_mlp_rows(8)
+    assert fused.fused_rows == 8 and len(fused._fused) == len(fused.layers)
+    p = torch.tensor(tiny_prompts[0])
+    c1, c2 = dnn.new_cache(), fused.new_cache()
+    assert (dnn.forward(p[:-4], c1) - fused.forward(p[:-4], c2)).abs().max().item() <= 1e-4  # a prefill, fused
+    assert (dnn.forward(p[-4:], c1) - fused.forward(p[-4:], c2)).abs().max().item() <= 1e-4  # on that cache
+    assert torch.equal(dnn.forward(p[:4], dnn.new_cache()), fused.forward(p[:4], fused.new_cache()))  # 4 rows: plain
+    fused.set_matmul_backend("torch")  # without oneDNN's weights there is nothing to fuse into
+    assert fused.fused_rows == 0 and not fused._fused
+    with pytest.raises(LeanUnsupported, match="fused_mlp_rows fuses into oneDNN's matmuls; set matmul_backend"):
+        fused.set_fused_mlp_rows(8)
+    base = DecodeConfig(lean_forward=True, matmul_backend="onednn", max_new_tokens=24, dtype="float32",
+                        stop_at_eos=False, fused_mlp_rows=4)
+    ref = generate(DecodeConfig(**{**base.as_dict(), "method": "ar"}), model, tiny_prompts[1], None).tokens
+    assert generate(base, model, tiny_prompts[1], tiny_fp32[1]).tokens == ref
+    with pytest.raises(ConfigError, match="fused_mlp_rows = 128 is invalid: it fuses into oneDNN's matmuls"):
+        DecodeConfig(lean_forward=True, fused_mlp_rows=128)
+    with pytest.raises(ConfigError, match="fused_mlp_rows = -1 is invalid: use 0"):
+        DecodeConfig(lean_forward=True, matmul_backend="onednn", fused_mlp_rows=-1)
+    gelu = copy.deepcopy(model)
+    gelu.config.hidden_act = "gelu"
+    for layer in gelu.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    lm = LeanLM(gelu)
+    lm.set_matmul_backend("onednn")
+    with pytest.raises(LeanUnsupported, match="fuses a SiLU MLP; this model's activation is 'gelu': use 0"):
+        lm.set_fused_mlp_rows(8)
+
+
+@torch.inference_mode()
 def test_draft_model_pruned_head_keeps_tokens(tiny_fp32, tiny_prompts, tmp_path):
     """Mechanism draft-vocab on the draft model: its lean head scores only the ranked tokens (those logits equal
     the full head's, the rest are -inf), and SD through `generate` (chain, oneDNN or not, and tree) stays

@@ -311,7 +311,8 @@ def test_memory_configs_carry_what_their_mechanisms_require():
 
 
 def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
-    """With the lean forward and transposed matmuls on in the base (the host-overhead mechanisms on a CPU),
+    """With the lean forward, transposed and oneDNN matmuls and the fused MLP on in the base (the host-overhead
+    mechanisms on a CPU),
     host-overhead gets no tuner agent, however large its gap; without a base it still does (the TUI's launch)."""
     from decoder.config import DecodeConfig
 
@@ -320,7 +321,7 @@ def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
     wt = ws.path.parent / "lean-base"
     repo.git.worktree("add", "-b", "lean-base", str(wt), "stock")
     try:
-        cfg.lean_forward, cfg.matmul_t_rows, cfg.matmul_backend = True, 3, "onednn"
+        cfg.lean_forward, cfg.matmul_t_rows, cfg.matmul_backend, cfg.fused_mlp_rows = True, 3, "onednn", 128
         cfg.save(wt / ws.config.config_file)
         lrepo = git.Repo(wt)
         lrepo.git.add(ws.config.config_file)

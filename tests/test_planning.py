@@ -27,7 +27,8 @@ def test_largest_gaps_first_capped_at_the_agents_and_nothing_for_empty_families(
 
 
 def test_families_with_nothing_left_on_the_base_get_no_tuner():
-    lean = DecodeConfig(lean_forward=True, matmul_t_rows=3, matmul_backend="onednn")  # host-overhead on a CPU: all on
+    lean = DecodeConfig(lean_forward=True, matmul_t_rows=3, matmul_backend="onednn",  # host-overhead on a CPU: all on
+                        fused_mlp_rows=128)
     assert [d.family for d in _plan(base_cfg=lean)[0]] == ["acceptance", "drafting"]
     assert [d.family for d in _plan(base_cfg=lean, agent="llm")[0]] == ["acceptance", "drafting"]
 

@@ -70,15 +70,19 @@ HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 # Mechanism corpus-drafter (decoder/datastore.py): prompt lookup backed by the target's corpus datastore
 # (TARGET/drafters/corpus.npz from `specpilot train drafter --kind corpus`). Not in the default set (ask with
 # --methods); against ar-lean, drafting as long as the n-gram methods (--ngram-draft-len).
-CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn")
+CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused")
+# Mechanism fused-mlp on top of onednn-matmul: a prefill's MLP as two oneDNN matmuls with SiLU and the product fused.
+# Not in the default set; speedups against ar-lean-fused, so ar-lean-fused beside ar-lean is the forward's own gain.
+FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
-KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS
+KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + ("ar-lean-fused",)
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
                        "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-tree-dnn", "sd-two-level-dnn",
                        "sd-dcut-dnn",
                        "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
-VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn"}
+VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn",
+                    "fused": "ar-lean-fused"}
 
 
 RANKED_METHODS = ("sd-draft-model-vocab-dnn",)  # need the target's token ranking, not its feature drafters
@@ -585,7 +589,7 @@ def run_bench(
             report_methods.append(peer_entry(entry, res.stats, None if own else check,
                                              peers.servers[name].spec.flags(), check if own else None))
             continue
-        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + TREE_METHODS \
+        if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + FUSED_METHODS + TREE_METHODS \
                 + HF_TREE_METHODS + FEATURE_METHODS + CORPUS_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry.target_tokens_per_token = round(res.stats.target_tokens / max(1, res.tokens), 4)
