@@ -218,6 +218,11 @@ class LeanLM:
         self.t_rows, self._wt = 0, {}
         self.matmul_backend, self._packed = "torch", {}
         self.fused_rows, self._fused = 0, []  # mechanism fused-mlp: from this many rows, per layer (gate, up) packed
+        # Packed weights and built primitives outlive a switch back to "torch": the batched engine sets the backend
+        # each request's config names, and packing again (0.6 s on the demo) would land in a timed request.
+        self._onednn_store: tuple[tuple[int, ...], dict[int, torch.Tensor]] | None = None
+        self._fused_store: list | None = None
+        self._fused_warm = ONEDNN_WARM_MAX + 1  # fused primitives are built from this many rows up
         self._head_ids: torch.Tensor | None = None  # draft-vocab on a draft model: the tokens its head scores
         self._head_rows: torch.Tensor | None = None
 
@@ -232,13 +237,15 @@ class LeanLM:
         only: the target verifies them). None restores the full head."""
         self._head_ids = ids
         self._head_rows = None if ids is None else self.lm_head[ids].contiguous()
+        self._onednn_store = None  # packed for the old head
         self.set_transposed_rows(self.t_rows)  # the pruned head's copies for the matmul mechanisms
         self.set_matmul_backend(self.matmul_backend)
 
     def set_matmul_backend(self, backend: str) -> None:
         """Mechanism onednn-matmul: "onednn" packs every weight once into oneDNN's blocked layout and multiplies
         with its linear primitive (bias fused), whose cost on a CPU is nearly flat from 1 to 16 rows where
-        F.linear's float32 few-row matmuls are not; "torch" (stock) drops the packed copies. Same products,
+        F.linear's float32 few-row matmuls are not; "torch" (stock) multiplies with F.linear again (the packed copies
+        are kept, so switching back costs nothing: the batched engine follows each request's config). Same products,
         another summation order (float32: within ~1e-6 of F.linear; forcing judges any changed token)."""
         if backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul backend {backend!r}: choose one of {', '.join(MATMUL_BACKENDS)}")
@@ -252,13 +259,18 @@ class LeanLM:
             if self.dtype not in (torch.float32, torch.bfloat16):
                 raise LeanUnsupported(f"lean forward: matmul_backend = \"onednn\" packs float32 or bfloat16 "
                                       f"weights, not {self.dtype}; use \"torch\"")
-            with torch.no_grad():
-                for w in self._matmul_weights():
-                    packed[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
-                heads = {id(self.lm_head), id(self._head_rows)}
-                shapes = {(tuple(w.shape), id(w) in heads): w for w in self._matmul_weights()}  # one per shape
-                _warm_onednn([(packed[id(w)], w.shape[1], ONEDNN_BUCKETS[0][0] if head else ONEDNN_WARM_MAX)
-                              for (_, head), w in shapes.items()], self.dtype)
+            key = tuple(id(w) for w in self._matmul_weights())
+            if self._onednn_store is not None and self._onednn_store[0] == key:
+                packed = self._onednn_store[1]
+            else:
+                with torch.no_grad():
+                    for w in self._matmul_weights():
+                        packed[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+                    heads = {id(self.lm_head), id(self._head_rows)}
+                    shapes = {(tuple(w.shape), id(w) in heads): w for w in self._matmul_weights()}  # one per shape
+                    _warm_onednn([(packed[id(w)], w.shape[1], ONEDNN_BUCKETS[0][0] if head else ONEDNN_WARM_MAX)
+                                  for (_, head), w in shapes.items()], self.dtype)
+                self._onednn_store = (key, packed)
         self.matmul_backend, self._packed = backend, packed
         if self.fused_rows:
             self.set_fused_mlp_rows(self.fused_rows if packed else 0)
@@ -275,19 +287,21 @@ class LeanLM:
         if rows and self.act is not F.silu:
             raise LeanUnsupported(f"lean forward: fused_mlp_rows fuses a SiLU MLP; this model's activation is "
                                   f"{_activation_name(self.config)!r}: use 0")
-        fused = []
-        if rows:
+        if rows and self._fused_store is None:
             pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=ONEDNN_PACK_ROWS)
             with torch.no_grad():
-                for ly in self.layers:
-                    b = (None, None) if ly.bgu is None else (ly.bgu[: self.inter], ly.bgu[self.inter :])
-                    fused.append((pack(ly.wgu[: self.inter].contiguous()), pack(ly.wgu[self.inter :].contiguous()), *b))
-                gate, up = fused[0][0], fused[0][1]
-                x = functools.partial(torch.zeros, dtype=self.dtype)
-                for t in _buckets(rows, ONEDNN_WARM_MAX):  # their primitives, as packing builds the plain ones
-                    g = torch.ops.mkldnn._linear_pointwise(x(t, self.config.hidden_size), gate, None, "swish", [], "")
-                    torch.ops.mkldnn._linear_pointwise.binary(x(t, self.config.hidden_size), g, up, None, "mul")
-        self.fused_rows, self._fused = rows, fused
+                self._fused_store = [
+                    (pack(ly.wgu[: self.inter].contiguous()), pack(ly.wgu[self.inter :].contiguous()),
+                     *((None, None) if ly.bgu is None else (ly.bgu[: self.inter], ly.bgu[self.inter :])))
+                    for ly in self.layers]
+        if rows and rows < self._fused_warm:  # their primitives, as packing builds the plain ones
+            gate, up = self._fused_store[0][:2]
+            x = functools.partial(torch.zeros, dtype=self.dtype)
+            for t in _buckets(rows, min(self._fused_warm - 1, ONEDNN_WARM_MAX)):
+                g = torch.ops.mkldnn._linear_pointwise(x(t, self.config.hidden_size), gate, None, "swish", [], "")
+                torch.ops.mkldnn._linear_pointwise.binary(x(t, self.config.hidden_size), g, up, None, "mul")
+            self._fused_warm = rows
+        self.fused_rows, self._fused = rows, (self._fused_store if rows else [])
 
     def _fused_mlp(self, li: int, h: torch.Tensor) -> torch.Tensor:
         """silu(h Wg + bg) * (h Wu + bu) [T, I] in two oneDNN calls at a bucketed row count (mechanism fused-mlp)."""

@@ -191,8 +191,12 @@ def test_onednn_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
     c1, c2 = plain.new_cache(), dnn.new_cache()
     for ids in (p[:-6], p[-6:-4], p[-4:-1], p[-1:]):  # widths >3, 2, 3, 1
         assert (plain.forward(ids, c1) - dnn.forward(ids, c2)).abs().max().item() <= 1e-4
+    packed = dnn._packed
     dnn.set_matmul_backend("torch")
     assert not dnn._packed and torch.equal(dnn.forward(p, dnn.new_cache()), plain.forward(p, plain.new_cache()))
+    dnn.set_matmul_backend("onednn")  # the batched engine switches per request: nothing is packed or built again
+    assert dnn._packed is packed
+    dnn.set_matmul_backend("torch")
     with pytest.raises(ValueError, match="matmul backend 'mkl': choose one of torch, onednn"):
         dnn.set_matmul_backend("mkl")
     half = LeanLM(copy.deepcopy(tiny_fp32[1]).to(torch.float16))
