@@ -88,6 +88,12 @@ def test_the_tuners_measured_schedule_is_keyed_by_the_live_requests_a_batch_reac
     assert seen == {1: ["p0", "p1"], 8: [f"p{i}" for i in range(8)]}
     assert cand is not None and cand.changes == {"load_schedule": "1:2,2:0"}
 
+    # The base's own draft length is one of the choices: a k = 8 base fastest at one request keeps 8 there.
+    rates[1][8], rates[8][8] = 150.0, 100.0
+    ref = {"long": {"stock": [5, 6, 7, 8]}, "eos": {"stock": [0]}}
+    cand = agent._measured_schedule(None, DecodeConfig(draft_len=8), p, 8, ref, 0.0, [], ctx)
+    assert cand is not None and cand.changes == {"load_schedule": "1:8,2:0"}
+
 
 def test_an_idle_agent_tries_the_knobs_of_a_family_measured_at_no_gain():
     """llama.cpp smollm2: the step is the forward, so host overhead measures ~0 (here below it), yet threads
