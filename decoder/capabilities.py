@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoder.archs import lean_unsupported_reason, recurrent_layers
+from decoder.archs import activation_name, lean_unsupported_reason, recurrent_layers
 from decoder.config import DecodeConfig
 
 VOCAB_RANK_FILE = "vocab_rank.json"  # token ids by corpus frequency (`specpilot train drafter --kind vocab`)
@@ -53,6 +53,9 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
             why = lean_unsupported_reason(_text(drafter_config))
             if why:
                 return f"drafter: {why}"
+    if cfg.fused_mlp_rows and activation_name(target) not in ("silu", "swish"):
+        return (f"target: fused_mlp_rows fuses a SiLU MLP; this model's activation is {activation_name(target)!r}: "
+                f"use 0")
     if cfg.method == "sd" and cfg.verify in ("tree", "two-level"):
         if not cfg.lean_forward and not recurrent:
             return (f"{cfg.verify} verification on the HF path runs only on targets with recurrent layers (one "

@@ -251,6 +251,11 @@ def test_fused_mlp_matches_the_plain_mlp_and_keeps_tokens(tiny_fp32, tiny_prompt
     gelu.config.hidden_act = "gelu"
     for layer in gelu.model.layers:
         layer.mlp.act_fn = torch.nn.GELU()
+    from decoder.capabilities import refusal
+
+    why = refusal(base, gelu.config)
+    assert why == "target: fused_mlp_rows fuses a SiLU MLP; this model's activation is 'gelu': use 0"
+    assert refusal(base, model.config) is None
     lm = LeanLM(gelu)
     lm.set_matmul_backend("onednn")
     with pytest.raises(LeanUnsupported, match="fuses a SiLU MLP; this model's activation is 'gelu': use 0"):
