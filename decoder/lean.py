@@ -64,14 +64,15 @@ def onednn_rows(t: int) -> int:
     raise AssertionError("the last bucket has no limit")
 
 
+def _bucketed(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] with zero rows appended up to its bucket (onednn_rows); the caller keeps the first T rows."""
+    pad = onednn_rows(x.shape[0]) - x.shape[0]
+    return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+
+
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ W^T (+ b) on oneDNN's packed weight, at a bucketed row count (see ONEDNN_BUCKETS)."""
-    t = x.shape[0]
-    pad = onednn_rows(t) - t
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-    return y[:t] if pad else y
+    return torch.ops.mkldnn._linear_pointwise(_bucketed(x), packed, b, "none", [], "")[: x.shape[0]]
 
 
 def _buckets(least: int, most: int) -> list[int]:
@@ -306,13 +307,9 @@ class LeanLM:
     def _fused_mlp(self, li: int, h: torch.Tensor) -> torch.Tensor:
         """silu(h Wg + bg) * (h Wu + bu) [T, I] in two oneDNN calls at a bucketed row count (mechanism fused-mlp)."""
         wg, wu, bg, bu = self._fused[li]
-        t = h.shape[0]
-        pad = onednn_rows(t) - t
-        if pad:
-            h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-        g = torch.ops.mkldnn._linear_pointwise(h, wg, bg, "swish", [], "")
-        out = torch.ops.mkldnn._linear_pointwise.binary(h, g, wu, bu, "mul")
-        return out[:t] if pad else out
+        hp = _bucketed(h)
+        g = torch.ops.mkldnn._linear_pointwise(hp, wg, bg, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(hp, g, wu, bu, "mul")[: h.shape[0]]
 
     def set_transposed_rows(self, rows: int) -> None:
         """Mechanism transposed-matmul: calls of up to `rows` rows multiply by a contiguous transposed copy of each
