@@ -75,7 +75,8 @@ CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused"
 # Not in the default set; speedups against ar-lean-fused, so ar-lean-fused beside ar-lean is the forward's own gain.
 FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
-KNOWN_METHODS = ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + ("ar-lean-fused",)
+KNOWN_METHODS = tuple(dict.fromkeys(  # sd-corpus-lean-fused is a corpus method and a fused one: listed once
+    ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS))
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
                        "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-tree-dnn", "sd-two-level-dnn",
                        "sd-dcut-dnn",
