@@ -157,6 +157,7 @@ class BatchLM:
                 kr = kr.repeat(n_range, 1)
                 kr[row_slot - lo, pos] = rope_pos
             sw_mask = mask & (kr[:, None, :] > qr[:, :, None] - lean.window)[:, None]  # [n_range, 1, qmax, Lk]
+        mask, sw_mask = lean.fold_masks(mask, sw_mask, qmax)
         cos = lean.cos.index_select(0, rope_pos)[:, None, :]  # [T, 1, rot]
         sin = lean.sin.index_select(0, rope_pos)[:, None, :]
         x = lean.embed_ids(ids)  # [T, D]

@@ -294,3 +294,66 @@ def test_draft_model_pruned_head_keeps_tokens(tiny_fp32, tiny_prompts, tmp_path)
         generate(DecodeConfig(**{**base.as_dict(), "draft_vocab": 64}), model, tiny_prompts[1], drafter)
     with pytest.raises(ConfigError, match="the draft model's pruned head is on its lean forward"):
         DecodeConfig(draft_vocab=64)
+
+
+def _gqa_model(name: str, dtype: torch.dtype):
+    """A tiny random GQA model (6 query heads over 2 KV heads), Llama or Mistral with a window of 8 keys."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, max_position_embeddings=256)
+    if name == "mistral-sw":
+        return MistralForCausalLM(MistralConfig(**kw, sliding_window=8)).eval().to(dtype)
+    return LlamaForCausalLM(LlamaConfig(**kw)).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama", "mistral-sw"])
+@torch.inference_mode()
+def test_folded_gqa_attention_is_bit_identical_to_the_boolean_mask_path(name, dtype):
+    """Grouped queries under a FoldedMask give every logit the boolean-mask SDPA path gives: verify blocks of 2-9
+    rows, a tree verify, a batched ragged step and the static step, with and without a sliding window."""
+    from decoder.batch import BatchLM
+    from decoder.lean import FoldedMask, StaticLeanLM
+
+    model = _gqa_model(name, dtype)
+    folded, plain = LeanLM(model), LeanLM(model)
+    plain.fold_mask = lambda mask, q: mask  # the reference: SDPA with enable_gqa and the boolean mask
+    assert isinstance(folded.fold_mask(torch.ones(3, 5, dtype=torch.bool), 3), FoldedMask)
+    one = torch.ones(1, 5, dtype=torch.bool)
+    assert folded.fold_mask(one, 1) is one  # a single query row keeps the plain path
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 64, (20,), generator=gen)
+    caches = [lm.new_cache() for lm in (folded, plain)]
+    for lm, c in zip((folded, plain), caches, strict=True):
+        lm.forward(prompt, c)
+    for q in range(2, 10):  # verify blocks, each rolled back like a rejected draft
+        ids = torch.randint(1, 64, (q,), generator=gen)
+        a, b = (lm.forward(ids, c) for lm, c in zip((folded, plain), caches, strict=True))
+        assert torch.equal(a, b), q
+        for c in caches:
+            c.crop(20 + q // 2)
+    depth = torch.tensor([0, 1, 1, 2])  # a tree: root's children 1 and 2, node 3 under node 1
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    ids = torch.randint(1, 64, (4,), generator=gen)
+    outs = []
+    for lm, c in zip((folded, plain), caches, strict=True):
+        start = c.length
+        mask = torch.cat([torch.ones(4, start, dtype=torch.bool), anc], dim=1)
+        outs.append(lm.forward(ids, c, positions=depth + start, attn_mask=mask))
+    assert torch.equal(*outs)
+    blm = [BatchLM(lm) for lm in (folded, plain)]
+    bcaches = [b.new_cache(3, 64) for b in blm]
+    prompts = [torch.randint(1, 64, (n,), generator=gen) for n in (12, 17, 9)]
+    step = torch.randint(1, 64, (4 + 1 + 6,), generator=gen)
+    for b, c in zip(blm, bcaches, strict=True):
+        b.forward(torch.cat(prompts), [0, 1, 2], [12, 17, 9], c)
+    a, b = (lm.forward(step, [0, 1, 2], [4, 1, 6], c) for lm, c in zip(blm, bcaches, strict=True))
+    assert torch.equal(a, b)
+    static = [StaticLeanLM(lm, max_len=64) for lm in (folded, plain)]
+    scaches = [s.new_cache() for s in static]
+    for s, c in zip(static, scaches, strict=True):
+        s.forward(prompt[:5], c)
+    a, b = (s.forward(prompt[5:12], c) for s, c in zip(static, scaches, strict=True))
+    assert torch.equal(a, b)
