@@ -110,7 +110,10 @@ def test_greedy_bf16_exact_ties_take_the_first_index():
 def test_argmax_tokens_matches_bf16_argmax_on_coarse_logits():
     """Many ties everywhere (logits rounded to a few bf16 values): same indices as the bf16 argmax."""
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16):
-        logits = (torch.randn(17, 6144, generator=g) * 2).round().clamp(-4, 4).to(dtype)
-        assert argmax_tokens(logits).tolist() == logits.argmax(-1).tolist()
-        assert argmax_tokens(logits).dtype == torch.int64
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows, vocab in ((17, 6144), (1, 6144), (40, 6144), (3, 7), (5, 97), (9, 49152)):
+            logits = (torch.randn(rows, vocab, generator=g) * 2).round().clamp(-4, 4).to(dtype)
+            logits[(logits == 0) & (torch.rand(rows, vocab, generator=g) < 0.5)] = -0.0  # -0 == +0: a tie too
+            assert argmax_tokens(logits).tolist() == logits.argmax(-1).tolist(), (dtype, rows, vocab)
+            assert argmax_tokens(logits).dtype == torch.int64
+            assert argmax_tokens(logits[0]).tolist() == logits[0].argmax().tolist()  # one row, no batch dim
