@@ -304,7 +304,7 @@ class BatchEngine:
         # The batched draft model drafts for every request in one forward per position (chain drafts);
         # every other drafter runs as one proposer per request (the single-request loop's proposers).
         self.per_request = cfg.method == "sd" and (cfg.drafter in FEATURE_DRAFTERS or cfg.verify != "chain"
-                                                   or cfg.dcut)
+                                                   or cfg.dcut or cfg.corpus_tree_alts > 0)
         self.use_draft_model = cfg.method == "sd" and cfg.drafter == "draft-model" and not self.per_request
         self.heads = heads
         self.drafter = None
@@ -444,7 +444,7 @@ class BatchEngine:
         for (si, i), tok, q, w in zip(joining, first, qlens, qpad, strict=True):
             stats = DecodeStats(target_forwards=1)
             s = _Slot(i, list(requests[i].prompt) + [tok], len(requests[i].prompt), stats, now)
-            if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS:
+            if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS and not self.per_request:
                 s.ngram = make_proposer(cfg, None, self.device, heads=self.heads)  # the loop's lookup drafter
                 s.ngram.reset(requests[i].prompt)
             if self.per_request:
@@ -516,7 +516,7 @@ class BatchEngine:
         k_load = scheduled_draft_len(cfg, len(live))
         k_load = cfg.draft_len if k_load is None else k_load
         proposals: dict[int, list[int]] = {}
-        if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS and k_load > 0:
+        if cfg.method == "sd" and cfg.drafter in LOOKUP_DRAFTERS and k_load > 0 and not self.per_request:
             for i in live:  # asked for what the step can take, as the single-request loop asks
                 s = slots[i]
                 remaining = cfg.max_new_tokens - (len(s.tokens) - s.prompt_len)

@@ -15,6 +15,7 @@ DRAFTERS = ("draft-model", "ngram", "corpus", "block", "mtp", "routed")
 # Drafters that look tokens up instead of running a forward: prompt lookup, and prompt lookup backed by a corpus
 # datastore (mechanism corpus-drafter, decoder/datastore.py: TARGET/drafters/corpus.npz).
 LOOKUP_DRAFTERS = ("ngram", "corpus")
+CORPUS_BRANCH_LEN = 2  # mechanism corpus-tree: a branch is the alternative token and the corpus's next one
 FEATURE_DRAFTERS = ("block", "mtp", "routed")  # read the target's hidden states (decoder/featdraft.py)
 ROUTABLE = ("draft-model", "ngram", "corpus", "block", "mtp")  # what the domain router may pick
 # What a feature drafter needs: the lean forward's hidden states and chain verification (greedy or sampled:
@@ -145,6 +146,9 @@ def verify_width(cfg: DecodeConfig | Mapping) -> int:
         return 1 + k * (1 + max(0, min(get("two_level_alts", int), 8)))
     if get("drafter", str) == "mtp":
         return 1 + k * (1 + max(0, min(get("mtp_tree_alts", int), 8)))
+    if get("drafter", str) == "corpus":  # at most one branch per alternative, never deeper than the chain
+        alts = max(0, min(get("corpus_tree_alts", int), k))
+        return 1 + k + sum(min(CORPUS_BRANCH_LEN, k - j) for j in range(alts))
     return 1 + k
 
 
@@ -276,6 +280,10 @@ class DecodeConfig(ConfigTable):
     # Mechanism mtp-tree: each MTP head's next mtp_tree_alts tokens hang as leaves beside its top-1 chain node (a
     # comb tree, as two-level verification's), verified in the same forward (0 = a chain).
     mtp_tree_alts: int = 0
+    # Mechanism corpus-tree: beside each of the corpus chain's first corpus_tree_alts nodes, a branch of
+    # CORPUS_BRANCH_LEN tokens: the datastore's continuation under a shorter context where it differs from the
+    # chain's token, then the corpus's token after it; verified in the same forward (0 = a chain).
+    corpus_tree_alts: int = 0
     route_code: str = "mtp"  # the demo's measured best for both domains (README: feature drafters)
     route_prose: str = "mtp"
     dtype: str = "bfloat16"
@@ -381,6 +389,14 @@ class DecodeConfig(ConfigTable):
         if self.mtp_tree_alts and (self.temperature != 0 or self.cuda_graphs):
             raise bad("mtp_tree_alts", "a tree verifies greedily on the eager lean forward: set temperature = 0 "
                                        "and cuda_graphs = false, or use 0")
+        if not 0 <= self.corpus_tree_alts <= 8:
+            raise bad("corpus_tree_alts", "use 0 (a chain) to 8 branch points")
+        if self.corpus_tree_alts and self.drafter != "corpus":
+            raise bad("corpus_tree_alts", "only the corpus drafter hangs datastore branches; set drafter = 'corpus' "
+                                          "or use 0")
+        if self.corpus_tree_alts and (self.temperature != 0 or self.cuda_graphs or not self.lean_forward):
+            raise bad("corpus_tree_alts", "a tree verifies greedily on the eager lean forward: set temperature = 0, "
+                                          "cuda_graphs = false and lean_forward = true, or use 0")
         for key in ("route_code", "route_prose"):
             if getattr(self, key) not in ROUTABLE:
                 raise bad(key, f"choose one of {', '.join(ROUTABLE)}")

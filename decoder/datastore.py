@@ -114,6 +114,17 @@ class CorpusIndex:
                 return int(self.nexts[i]), n
         return -1, 0
 
+    def alternative(self, ctx: list[int], exclude: int) -> int:
+        """Mechanism corpus-tree: the continuation of the longest indexed suffix of `ctx` whose most frequent
+        next token is not `exclude` (a shorter context often continues otherwise); -1 when none is."""
+        keys = self.keys
+        for n in range(min(self.nmax, len(ctx)), 0, -1):
+            h = _hash(ctx[len(ctx) - n :])
+            i = int(keys.searchsorted(np.uint64(h)))
+            if i < len(keys) and int(keys[i]) == h and int(self.nexts[i]) != exclude:
+                return int(self.nexts[i])
+        return -1
+
     def draft(self, ctx: list[int], k: int) -> list[int]:
         """Up to k tokens continuing `ctx`, each from the longest indexed suffix (a drafted token's context
         is at most one longer than its predecessor's, so the search starts there)."""

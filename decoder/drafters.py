@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from decoder.config import CORPUS_BRANCH_LEN
 from decoder.datastore import CorpusIndex
 from decoder.proposer import Draft, Proposer, Verdict
 from decoder.runners import LAZY_REFEED, as_runner, rollback
+from decoder.tree import parents_tree
 from decoder.verify import argmax_tokens
 
 
@@ -155,12 +157,47 @@ class CorpusDrafter(NgramDrafter):
     name = "corpus"
 
     def __init__(self, index: CorpusIndex, ngram_max: int = 4, ngram_min: int = 2,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", tree_alts: int = 0) -> None:
         super().__init__(ngram_max, max(ngram_min, 2), device)  # a one-token prompt match loses to the corpus
         self.corpus = index
+        self.tree_alts = tree_alts
+        self._chain = 0  # the last tree draft's chain length: nodes from here on are branch nodes
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         proposal = super().lookup(tokens, k)
         if len(proposal) < k:  # the datastore reads the last nmax tokens only: no copy of the whole sequence
             proposal = proposal + self.corpus.draft(tokens[-self.corpus.nmax :] + proposal, k - len(proposal))
         return proposal
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        """The chain, and with `tree_alts` (mechanism corpus-tree) a tree: beside chain node j < tree_alts, a branch
+        of the datastore's continuation of the same context under a shorter suffix where it differs from the
+        chain's token (prompt lookup's token, or the corpus's at the longest context), then the corpus's next
+        token after it. A branch never reaches deeper than k, so a step commits at most k + 1 tokens."""
+        main = self.lookup(tokens, k)
+        if not self.tree_alts or not main:
+            return Draft(torch.tensor(main, dtype=torch.long, device=self.device))
+        nodes, parents = list(main), list(range(-1, len(main) - 1))
+        nmax = self.corpus.nmax
+        ctx = tokens[-nmax:]
+        for j in range(min(self.tree_alts, len(main))):
+            at = (ctx + main[:j])[-nmax:]
+            alt = self.corpus.alternative(at, exclude=main[j])
+            if alt < 0:
+                continue
+            parent = j - 1
+            for t in [alt] + self.corpus.draft(at + [alt], min(CORPUS_BRANCH_LEN, k - j) - 1):
+                nodes.append(t)
+                parents.append(parent)
+                parent = len(nodes) - 1
+        if len(nodes) == len(main):
+            return Draft(torch.tensor(main, dtype=torch.long, device=self.device))
+        tree = parents_tree(nodes, parents, self.device)
+        self._chain = len(main)
+        return Draft(tree.tokens, tree=tree)
+
+    def accepted(self, tokens: list[int], verdict: Verdict) -> None:
+        if self._chain and verdict.path and verdict.path[-1] >= self._chain:
+            self.alternatives_accepted += 1  # the step's accepted path ended in a branch
+        self._chain = 0
+        super().accepted(tokens, verdict)

@@ -101,7 +101,7 @@ def make_proposer(cfg: DecodeConfig, drafter_model=None, device: torch.device | 
         if heads is None:
             raise ValueError("drafter = 'corpus' needs the target's corpus datastore (FeatureHeads); serve loads it "
                              "from <target>/drafters")
-        return CorpusDrafter(heads.corpus(), cfg.ngram_max, cfg.ngram_min, device)
+        return CorpusDrafter(heads.corpus(), cfg.ngram_max, cfg.ngram_min, device, cfg.corpus_tree_alts)
     if drafter_model is None:
         raise ValueError("drafter = 'draft-model' needs a draft model; pass --drafter DIR or use drafter = 'ngram'")
     if cfg.verify == "tree":

@@ -17,6 +17,7 @@ NGRAM_DRAFT_LEN = 8  # `specpilot bench --ngram-draft-len` default: lookup draft
 DCUT_MAX_LEN = 6  # sd-dcut's cap on a draft (the cut usually stops it earlier)
 BLOCK_DRAFT_LEN = 8
 MTP_DRAFT_LEN = 6
+CORPUS_TREE_ALTS = 2  # sd-corpus-tree-fused: branch points (measured on the demo, README)
 FUSED_MLP_ROWS = 128  # fused-mlp presets: calls of at least this many rows (measured on this CPU: 1.05x at 128 rows)
 
 PRESETS: dict[str, dict] = {
@@ -48,6 +49,10 @@ PRESETS: dict[str, dict] = {
                       "fused_mlp_rows": FUSED_MLP_ROWS},
     "sd-corpus-lean-fused": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                              "matmul_backend": "onednn", "fused_mlp_rows": FUSED_MLP_ROWS},
+    # Mechanism corpus-tree on top: beside the chain's first CORPUS_TREE_ALTS nodes, a two-token datastore branch.
+    "sd-corpus-tree-fused": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                             "matmul_backend": "onednn", "fused_mlp_rows": FUSED_MLP_ROWS,
+                             "corpus_tree_alts": CORPUS_TREE_ALTS},
     # Mechanism weight_format = "w12".
     "ar-w12": {"method": "ar", "weight_format": "w12"},
     "sd-draft-model-w12": {"weight_format": "w12"},

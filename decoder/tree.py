@@ -294,6 +294,31 @@ def comb_tree(main: torch.Tensor, alts: torch.Tensor) -> DraftTree:
                      torch.ones(n, device=main.device), torch.full((n,), -1, dtype=torch.long, device=main.device), 0)
 
 
+_PARENTS: dict[tuple[tuple[int, ...], str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def parents_tree(tokens: list[int], parents: list[int], device: torch.device) -> DraftTree:
+    """A draft tree of host-side nodes: tokens [N] and parents [N] (-1 = the root; every parent precedes its
+    child). Shapes recur step after step (a chain with a few branches), so each one's tensors are built once."""
+    key = (tuple(parents), str(device))
+    if key not in _PARENTS:
+        n = len(parents)
+        depth = [0] * n
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft tree: node {i}'s parent {p} does not precede it")
+            depth[i] = depth[p] + 1 if p >= 0 else 0
+            if p >= 0:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        _PARENTS[key] = (torch.tensor(parents, device=device), torch.tensor(depth, device=device), anc.to(device))
+    par, depth, anc = _PARENTS[key]
+    n = par.shape[0]
+    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device), par, depth, anc,
+                     torch.ones(n, device=device), torch.full((n,), -1, dtype=torch.long, device=device), 0)
+
+
 class TwoLevelDrafter(Proposer):
     """Two-level verification's proposer (see the module docstring): the draft model's top-1 chain plus,
     beside every chain node, its next `alts` tokens, drafted with k plain one-token forwards."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from decoder.capabilities import CORPUS_FILE, drafter_files_refusal
-from decoder.config import DecodeConfig
+from decoder.config import ConfigError, DecodeConfig, verify_width
 from decoder.datastore import CorpusIndex, DatastoreError
 from decoder.drafters import CorpusDrafter
 from decoder.featdraft import FeatureDrafterError, FeatureHeads
@@ -62,6 +63,42 @@ def test_prompt_lookup_comes_first_and_the_corpus_fills_the_draft():
     assert d.lookup([3], 3) == [4, 5, 0]  # no prompt match: the corpus alone
 
 
+def test_corpus_tree_branches_take_a_shorter_contexts_other_continuation():
+    # After (1, 2) the order-2 context says 3; its suffix (2,) says 4 (three 9 2 4 against two 1 2 3): the branch.
+    stream = [1, 2, 3, 0, 1, 2, 3, 0, 9, 2, 4, 0, 9, 2, 4, 0, 9, 2, 4, 0]
+    index = CorpusIndex.build(stream, vocab_size=16, nmax=3, min_count=2)
+    assert index.alternative([5, 1, 2], exclude=3) == 4
+    assert index.alternative([5, 1, 2], exclude=4) == 3  # the longest context first
+    assert index.alternative([9, 2], exclude=4) == -1  # every indexed suffix agrees with the chain
+    assert index.alternative([5, 6], exclude=1) == -1  # nothing indexed at all
+    d = CorpusDrafter(index, ngram_max=3, tree_alts=2)
+    d.reset([])
+    draft = d.propose([5, 1, 2], 3)
+    # The chain 3 0 9 (the corpus from (1, 2)); beside node 0 the branch 4 0 (a child of the root, then of 4);
+    # beside node 1, (1, 2, 3)'s shorter suffixes all say 0 as the chain does: no branch there.
+    assert draft.tokens.tolist() == [3, 0, 9, 4, 0]
+    assert draft.tree.parents.tolist() == [-1, 0, 1, -1, 3]
+    assert draft.tree.depth.tolist() == [0, 1, 2, 0, 1]
+    assert draft.tree.anc[4].tolist() == [False, False, False, True, True]
+    assert verify_width(DecodeConfig(method="sd", drafter="corpus", draft_len=3, corpus_tree_alts=2,
+                                     lean_forward=True)) >= 1 + draft.size
+    # A branch never reaches deeper than k: at k = 1 the branch is the alternative alone.
+    d.reset([])
+    assert d.propose([5, 1, 2], 1).tokens.tolist() == [3, 4]
+    chain = CorpusDrafter(index, ngram_max=3)
+    chain.reset([])
+    assert chain.propose([5, 1, 2], 3).tree is None
+
+
+def test_corpus_tree_alts_is_refused_in_one_line_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="corpus_tree_alts = 2 is invalid: only the corpus drafter"):
+        DecodeConfig(method="sd", drafter="ngram", corpus_tree_alts=2)
+    with pytest.raises(ConfigError, match="corpus_tree_alts = 1 is invalid: a tree verifies greedily"):
+        DecodeConfig(method="sd", drafter="corpus", corpus_tree_alts=1, temperature=0.7, lean_forward=True)
+    with pytest.raises(ConfigError, match="corpus_tree_alts = 9 is invalid"):
+        DecodeConfig(method="sd", drafter="corpus", corpus_tree_alts=9, lean_forward=True)
+
+
 @pytest.fixture(scope="module")
 def tiny_and_index():
     """A tiny random target and a datastore of its own greedy continuations (so drafts are often right)."""
@@ -93,6 +130,28 @@ def test_the_corpus_drafter_is_lossless_and_its_drafts_are_accepted(tiny_and_ind
         assert g.tokens == ref
         accepted += g.stats.accepted
     assert accepted > 0
+
+
+def test_the_corpus_tree_is_lossless_single_and_batched_and_its_branches_are_accepted(tiny_and_index):
+    from decoder.batch import batch_generate
+
+    target, heads = tiny_and_index
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (10, 14, 9, 21, 12, 8)]
+    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=32, stop_at_eos=False,
+                                                dtype="float32")).tokens for p in prompts]
+    cfg = DecodeConfig(method="sd", drafter="corpus", draft_len=6, max_new_tokens=32, stop_at_eos=False,
+                       dtype="float32", lean_forward=True, corpus_tree_alts=3)
+    branches = 0
+    for prompt, ref in zip(prompts, refs, strict=True):
+        g = generate(cfg, target, prompt, heads=heads)
+        assert g.tokens == ref
+        branches += g.stats.alternatives_accepted
+    assert branches > 0  # the branches are verified, and some steps' accepted paths end in one
+    for ragged in (False, True):
+        run = batch_generate(dataclasses.replace(cfg, ragged_verify=ragged), target, prompts, 3, heads=heads)
+        assert [r.tokens for r in run.results] == refs
+        assert run.stats.alternatives_accepted > 0
 
 
 def test_the_batched_engine_drafts_from_the_corpus_token_identically(tiny_and_index):

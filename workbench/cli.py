@@ -369,6 +369,8 @@ SETTINGS_FLAGS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "mtp_draft_vocab": (positive_int, "sd-mtp-vocab: the most frequent tokens its pruned heads score (default "
                                       "1024; 64 or more)"),
     "mtp_tree_alts": (positive_int, "sd-mtp-tree-dnn: each head's next tokens beside the chain (default 2; up to 8)"),
+    "corpus_tree_alts": (positive_int, "sd-corpus-tree-fused: chain nodes with a datastore branch beside them "
+                                       "(default 2; up to 8)"),
     "route_code": (None, "sd-routed: drafter for code prompts (block, mtp, draft-model, ngram; default mtp)"),
     "route_prose": (None, "sd-routed: drafter for prose prompts (default mtp)"),
     "drafters": (None, "the target's feature drafters directory (default TARGET/drafters)"),

@@ -70,10 +70,10 @@ HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 # Mechanism corpus-drafter (decoder/datastore.py): prompt lookup backed by the target's corpus datastore
 # (TARGET/drafters/corpus.npz from `specpilot train drafter --kind corpus`). Not in the default set (ask with
 # --methods); against ar-lean, drafting as long as the n-gram methods (--ngram-draft-len).
-CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused")
+CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused", "sd-corpus-tree-fused")
 # Mechanism fused-mlp on top of onednn-matmul: a prefill's MLP as two oneDNN matmuls with SiLU and the product fused.
 # Not in the default set; speedups against ar-lean-fused, so ar-lean-fused beside ar-lean is the forward's own gain.
-FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused")
+FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused", "sd-corpus-tree-fused")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = tuple(dict.fromkeys(  # sd-corpus-lean-fused is a corpus method and a fused one: listed once
     ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS))
@@ -152,6 +152,7 @@ class FeatureSettings:
     mtp_draft_len: int = MTP_DRAFT_LEN
     mtp_draft_vocab: int = PRESETS["sd-mtp-vocab"]["draft_vocab"]
     mtp_tree_alts: int = PRESETS["sd-mtp-tree-dnn"]["mtp_tree_alts"]
+    corpus_tree_alts: int = PRESETS["sd-corpus-tree-fused"]["corpus_tree_alts"]
     route_code: str = _DEFAULT.route_code  # measured best on both demo domains (README)
     route_prose: str = _DEFAULT.route_prose
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
@@ -167,6 +168,8 @@ class FeatureSettings:
         if name == "sd-mtp-tree":
             return {"draft_len": self.mtp_draft_len, "draft_vocab": self.mtp_draft_vocab,
                     "mtp_tree_alts": self.mtp_tree_alts}
+        if name == "sd-corpus-tree-fused":
+            return {"corpus_tree_alts": self.corpus_tree_alts}
         if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
             return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
                     else self.block_draft_len, "route_code": self.route_code, "route_prose": self.route_prose}
