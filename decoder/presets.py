@@ -17,7 +17,7 @@ NGRAM_DRAFT_LEN = 8  # `specpilot bench --ngram-draft-len` default: lookup draft
 DCUT_MAX_LEN = 6  # sd-dcut's cap on a draft (the cut usually stops it earlier)
 BLOCK_DRAFT_LEN = 8
 MTP_DRAFT_LEN = 6
-CORPUS_TREE_ALTS = 2  # sd-corpus-tree-fused: branch points (measured on the demo, README)
+CORPUS_TREE_ALTS = 1  # sd-corpus-tree-fused: branch points (1 beat 2 and 4 on demo prose and code, README)
 FUSED_MLP_ROWS = 128  # fused-mlp presets: calls of at least this many rows (measured on this CPU: 1.05x at 128 rows)
 
 PRESETS: dict[str, dict] = {

@@ -21,6 +21,7 @@ from decoder.config import MAX_NEW_TOKENS, ConfigError, DecodeConfig
 from decoder.engines import EngineError, EngineNotBuilt
 from decoder.engines.smollm2 import DRAFTER_ASSET, ModelFetchError
 from decoder.lab.peers import PeerError, PeerGroup, peer_settings
+from decoder.presets import CORPUS_TREE_ALTS
 from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int, quiet_transformers, write_atomic
 from workbench.demo_cli import add_parser as add_demo_parser
 from workbench.memory_cli import add_parser as add_memory_parser
@@ -370,7 +371,7 @@ SETTINGS_FLAGS: dict[str, tuple[Callable[[str], object] | None, str]] = {
                                       "1024; 64 or more)"),
     "mtp_tree_alts": (positive_int, "sd-mtp-tree-dnn: each head's next tokens beside the chain (default 2; up to 8)"),
     "corpus_tree_alts": (positive_int, "sd-corpus-tree-fused: chain nodes with a datastore branch beside them "
-                                       "(default 2; up to 8)"),
+                                       f"(default {CORPUS_TREE_ALTS}; up to 8)"),
     "route_code": (None, "sd-routed: drafter for code prompts (block, mtp, draft-model, ngram; default mtp)"),
     "route_prose": (None, "sd-routed: drafter for prose prompts (default mtp)"),
     "drafters": (None, "the target's feature drafters directory (default TARGET/drafters)"),
