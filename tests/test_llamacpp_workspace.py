@@ -90,14 +90,21 @@ def test_every_registry_value_is_a_valid_config_and_the_tuner_builds_candidates_
                 LlamaCppConfig(**{**m.requires, key: v})  # no ConfigError
     c = contract_for("llama.cpp")
     base = LlamaCppConfig(threads=1)
+    # as Workspace.refusal on a deployment with neither a draft model nor n-gram lookup caches
     drafting = candidates(base, "drafting", [], contract=c,
-                          refuse=lambda cfg: "no drafter" if cfg.spec_type == "draft-simple" else None)
+                          refuse=lambda cfg: "no drafter" if cfg.spec_type == "draft-simple" or
+                          cfg.lookup_cache == "corpus" and cfg.spec_type == "ngram-cache" else None)
+    with_caches = candidates(base, "drafting", [], contract=c,
+                             refuse=lambda cfg: "no drafter" if cfg.spec_type == "draft-simple" else None)
+    assert {"spec_type": "ngram-cache", "lookup_cache": "corpus"} in [x.changes for x in with_caches]
     assert drafting and all(isinstance(x.cfg, LlamaCppConfig) for x in drafting)
-    assert {x.cfg.spec_type for x in drafting} == {"ngram-simple", "ngram-map-k", "ngram-mod"}
+    # ngram-cache alone drafts from the request's own text (the corpus mechanism's switch without its caches)
+    assert {x.cfg.spec_type for x in drafting} == {"ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"}
+    assert not any(x.cfg.lookup_cache == "corpus" for x in drafting)
     assert drafting[0].changes == {"spec_type": "ngram-simple"}  # the switch alone first: the engine's defaults
     # each type at the engine's defaults is carried to the tuner's last rung whatever its rank at the short one
     assert [x.changes for x in drafting if x.defaults] == [{"spec_type": t} for t in ("ngram-simple", "ngram-map-k",
-                                                                                      "ngram-mod")]
+                                                                                      "ngram-mod", "ngram-cache")]
     host = candidates(base, "host-overhead", [], contract=c)
     assert {"threads"} <= {k for x in host for k in x.changes}
     assert all(x.cfg.threads != 1 or x.changes for x in host)

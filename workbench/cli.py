@@ -19,7 +19,7 @@ from pathlib import Path
 from costmodel.cli import add_parser as add_costmodel_parsers
 from decoder.config import MAX_NEW_TOKENS, ConfigError, DecodeConfig
 from decoder.engines import EngineError, EngineNotBuilt
-from decoder.engines.smollm2 import DRAFTER_ASSET, ModelFetchError
+from decoder.engines.smollm2 import DRAFTER_ASSET, LOOKUP_CORPUS_ASSET, ModelFetchError
 from decoder.lab.peers import PeerError, PeerGroup, peer_settings
 from decoder.presets import CORPUS_TREE_ALTS
 from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int, quiet_transformers, write_atomic
@@ -184,13 +184,14 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         read_answers,
         train_corpus_index,
         train_feature_drafter,
+        train_lookup_corpus,
         train_router,
         train_vocab_rank,
     )
     from decoder.models import DEMO_DIR, ModelLoadError, check_model_dir, smollm2_deployment
 
     if args.kind is None:
-        return fail("train drafter: --kind is required (block, mtp, router, vocab or corpus)")
+        return fail("train drafter: --kind is required (block, mtp, router, vocab, corpus or lookup-cache)")
     try:
         target = smollm2_deployment().target if args.target == "smollm2" else \
             Path(args.target) if args.target else DEMO_DIR / "target"
@@ -198,16 +199,34 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         return fail(str(e))
     answers = Path(args.answers) if args.answers else None
-    if answers is not None and (args.kind not in ("block", "mtp", "vocab", "corpus") or not answers.is_file()):
+    if args.kind == "lookup-cache" and answers is None:
+        return fail("train drafter: --kind lookup-cache needs --answers FILE (a chat deployment's own answers, e.g. "
+                    "`specpilot train smollm2-drafter --only data`'s answers.jsonl)")
+    if answers is not None and (args.kind not in ("block", "mtp", "vocab", "corpus", "lookup-cache")
+                                or not answers.is_file()):
         return fail(f"train drafter: --answers {answers}: " + (
             "not a file; give a JSONL of \"prompt\" and \"tokens\" rows (e.g. `specpilot train smollm2-drafter "
             "--only data`'s answers.jsonl)" if args.kind != "router" else
-            "only for --kind block, mtp, vocab or corpus"))
+            "only for --kind block, mtp, vocab, corpus or lookup-cache"))
     if answers is not None:
         try:  # a bad row is named before the target loads
             read_answers(answers)
         except (ValueError, OSError) as e:
             return fail(f"train drafter: {e}")
+    if args.kind == "lookup-cache":
+        out = Path(args.out) if args.out else (LOOKUP_CORPUS_ASSET if args.target == "smollm2"
+                                               else target / "drafters" / "lookup-corpus.npz")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(out.parent, os.W_OK):
+                return fail(f"train drafter: cannot write {out.parent}: not writable; give --out a writable path")
+            print(json.dumps(train_lookup_corpus(target, answers, out)))
+        except ValueError as e:
+            return fail(f"train drafter: {e}")
+        except OSError as e:
+            return fail(f"train drafter: cannot write {e.filename or out}: {e.strerror or e}; give --out a writable "
+                        f"path")
+        return 0
     if args.kind in ("router", "vocab", "corpus"):
         out = Path(args.out) if args.out else None
         if args.kind == "corpus" and args.train_sequences is not None and args.train_sequences < 0:
@@ -456,10 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="output (demo: root, default the package's demo assets; drafter: its "
                                  "directory, default TARGET/drafters/KIND, router: TARGET/drafters/router.json)")
     t.add_argument("--work-dir", help="checkpoints and caches (default: build/train-demo, build/train-drafter)")
-    t.add_argument("--kind", choices=("block", "mtp", "router", "vocab", "corpus"),
+    t.add_argument("--kind", choices=("block", "mtp", "router", "vocab", "corpus", "lookup-cache"),
                    help="drafter: what to train (vocab: the token frequency ranking a pruned drafter head uses; "
                         "corpus: the datastore of drafter = 'corpus', from the corpus and the target's own "
-                        "continuations)")
+                        "continuations; lookup-cache: the corpus of llama.cpp's n-gram lookup caches from --answers, "
+                        "default out for smollm2 the committed decoder/assets/smollm2/lookup/answers.npz)")
     t.add_argument("--target", help="drafter: the target's local model directory, or smollm2 (default: the demo "
                                     "target)")
     t.add_argument("--answers", metavar="FILE",

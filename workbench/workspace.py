@@ -45,9 +45,11 @@ from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.engines.smollm2 import (
     ModelFetchError,
     has_drafter,
+    has_lookup_corpus,
     smollm2_drafter_gguf,
     smollm2_gguf,
     smollm2_hf_dir,
+    smollm2_lookup_cache,
     smollm2_prompts,
 )
 from decoder.mechanisms import ENGINES, Contract, contract_for
@@ -115,6 +117,9 @@ class WorkspaceConfig:
     engine: str = "torch"  # [system] engine: torch (decoder/serve.py) or llama.cpp (decoder/engines/serve_llamacpp.py)
     engine_bin: Path | None = None  # [system] engine_bin: the engine's binaries, read-only in the sandbox (llama.cpp)
     engine_source: str | None = None  # [system] engine_source: the engine source the workspace carries (llama.cpp)
+    # [deployment] lookup_cache: a folder of llama.cpp n-gram caches made from the deployment's own answers
+    # (decoder/engines/lookup_cache.py), read-only in the sandbox; the system's `lookup_cache = "corpus"` loads it
+    lookup_cache: Path | None = None
 
     @classmethod
     def load(cls, path: Path) -> WorkspaceConfig:
@@ -138,7 +143,8 @@ class WorkspaceConfig:
                        bench=dict(bench), llm=dict(data.get("llm", {})), executor=data.get("executor", {}),
                        engine=str(s.get("engine", "torch")),
                        engine_bin=Path(s["engine_bin"]) if s.get("engine_bin") else None,
-                       engine_source=str(s["engine_source"]) if s.get("engine_source") else None)
+                       engine_source=str(s["engine_source"]) if s.get("engine_source") else None,
+                       lookup_cache=Path(d["lookup_cache"]) if d.get("lookup_cache") else None)
         except KeyError as e:
             raise WorkspaceError(f"{path}: missing key {e}; see `specpilot init demo` for a complete file") from None
 
@@ -150,11 +156,14 @@ class WorkspaceConfig:
                  "[deployment]", f"name = {q(self.name)}", f"target = {q(self.target)}"]
         if self.drafter:
             lines.append(f"drafter = {q(self.drafter)}")
+        if self.lookup_cache:
+            lines.append(f"lookup_cache = {q(self.lookup_cache)}")
         lines += [f"tokenizer = {q(self.tokenizer)}", f"dtype = {q(self.dtype)}", f"device = {q(self.device)}",
                   f"hardware = {q(self.hardware)}",
                   "# the load the deployment serves: the loop times every point, a kept change loses at none",
                   f"load = {{batch_sizes = {json.dumps(self.batch_sizes)}}}", "",
                   "[system]", "# run as a subprocess from the branch's worktree; {target} {drafter} {python}"
+                  + (" {lookup_cache}" if self.lookup_cache else "")
                   + (" {engine_server}" if self.engine_source else "") + " expand",
                   f"entry = {json.dumps(self.entry)}", f"config = {q(self.config_file)}",
                   *([f"engine = {q(self.engine)}"] if self.engine != "torch" else []),
@@ -176,8 +185,9 @@ class WorkspaceConfig:
 
     def model_dirs(self) -> list[Path]:
         """What the system's sandbox may read besides the Python environment: the models (directories or GGUF
-        files), the tokenizer and the engine's binaries."""
-        return [p for p in (self.target, self.drafter, self.tokenizer, self.engine_bin) if p is not None]
+        files), the tokenizer, the engine's binaries and the n-gram caches."""
+        return [p for p in (self.target, self.drafter, self.tokenizer, self.engine_bin, self.lookup_cache)
+                if p is not None]
 
 
 class Workspace:
@@ -260,6 +270,8 @@ class Workspace:
         if isinstance(cfg, LlamaCppConfig):
             if cfg.spec_type == "draft-simple" and self.config.drafter is None:
                 return "this deployment has no draft model GGUF (specpilot.toml: drafter)"
+            if cfg.spec_type == "ngram-cache" and cfg.lookup_cache == "corpus" and self.config.lookup_cache is None:
+                return "this deployment has no n-gram lookup cache (specpilot.toml: lookup_cache)"
             return None
         if cfg.method == "sd" and cfg.drafter == "draft-model" and self.config.drafter is None:
             return "this deployment has no draft model (specpilot.toml: drafter)"
@@ -300,7 +312,8 @@ class Workspace:
         """The system's command line; `{engine_server}`: the engine built from the commit being run."""
         c = self.config
         subs = {"{python}": sys.executable, "{target}": str(c.target), "{drafter}": str(c.drafter or ""),
-                "{config}": c.config_file, "{engine_server}": str(engine_server or "")}
+                "{lookup_cache}": str(c.lookup_cache or ""), "{config}": c.config_file,
+                "{engine_server}": str(engine_server or "")}
         out = []
         for a in c.entry:
             for k, v in subs.items():
@@ -829,8 +842,9 @@ Prompts: {visible} visible, {hidden} hidden, from {source}. Fixed server flags: 
 """
 
 
-def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None, Path, Path]:
-    """(target GGUF, drafter GGUF or None, tokenizer directory, prompts file) of a named deployment."""
+def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None, Path, Path, Path | None]:
+    """(target GGUF, drafter GGUF or None, tokenizer directory, prompts file, n-gram lookup cache folder or None)
+    of a named deployment."""
     from decoder.models import DEMO_DIR
 
     if deployment == "demo":
@@ -838,14 +852,16 @@ def _llama_cpp_models(deployment: str, prompts: str) -> tuple[Path, Path | None,
         if not target.is_file() or not drafter.is_file():
             raise WorkspaceError(f"--deployment demo: the demo's GGUF files are missing ({target}); run `make "
                                  f"llama-cpp` (it builds the engine and converts the demo models)")
-        return target, drafter, (DEMO_DIR / "target").resolve(), DEMO_DIR / "prompts" / f"{prompts}.jsonl"
+        return target, drafter, (DEMO_DIR / "target").resolve(), DEMO_DIR / "prompts" / f"{prompts}.jsonl", None
     try:
         target = smollm2_gguf()
         hf = smollm2_hf_dir()  # its tokenizer (and chat template) tokenizes the prompts the harness sends
         # The draft model distilled for it (decoder/lab/smollm2_drafter.py), materialised from the committed
         # weights and the target's own embedding; none when no drafter is committed.
         drafter = smollm2_drafter_gguf() if has_drafter() else None
-        return target, drafter, hf, smollm2_prompts(hf) / f"{prompts}.jsonl"
+        # llama.cpp's n-gram caches made from SmolLM2's own answers (mechanism llama-ngram-corpus)
+        lookup = smollm2_lookup_cache() if has_lookup_corpus() else None
+        return target, drafter, hf, smollm2_prompts(hf) / f"{prompts}.jsonl", lookup
     except ModelFetchError as e:
         raise WorkspaceError(f"--deployment smollm2: {e}") from None
 
@@ -934,15 +950,16 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
         deployment = "".join(c if c in NAME_OK else "-" for c in target.stem).strip(".-") or "gguf"
     if not is_built():
         raise WorkspaceError(missing_build_message())
+    lookup: Path | None = None
     if target is None:
-        target, drafter, tokenizer, source = _llama_cpp_models(deployment, prompts)
+        target, drafter, tokenizer, source, lookup = _llama_cpp_models(deployment, prompts)
         rows = _read_jsonl(source)
     if spec_type == "draft-simple" and drafter is None:
         raise WorkspaceError(f"--spec-type draft-simple: the {deployment} deployment has no draft model GGUF; choose "
                              f"an n-gram type or none")
     own = prompts not in ("code", "prose")  # a prompts file of the user's own deployment
     name = _check_name(name or f"{deployment}-llama.cpp" + ("" if own or prompts == "code" else f"-{prompts}"))
-    for p in (target, drafter, tokenizer, binary("llama-server").parent):
+    for p in (target, drafter, tokenizer, binary("llama-server").parent, lookup):
         if p is not None:
             closed = unreadable_for_sandbox([p])
             if closed is not None and sandbox_status()[0]:
@@ -963,7 +980,8 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
                              f"run `make llama-cpp` again")
     entry = ["{python}", "-m", "decoder.engines.serve_llamacpp", "--server",
              "{engine_server}" if with_source else str(server), "--model", "{target}",
-             *(["--drafter", "{drafter}"] if drafter is not None else []), "--config", "{config}",
+             *(["--drafter", "{drafter}"] if drafter is not None else []),
+             *(["--lookup-cache", "{lookup_cache}"] if lookup is not None else []), "--config", "{config}",
              *(f"--server-flag={f}" for f in fixed)]
     size_mb = sum(p.stat().st_size for p in (target, drafter) if p is not None) / 2**20
     cfg = WorkspaceConfig(
@@ -972,9 +990,12 @@ def init_llamacpp(path: str | Path, *, deployment: str | None = "smollm2", spec_
         limits={"start_s": 120, "request_s": 120, "memory_mb": max(4096, 2048 + int(4 * size_mb)), "threads": 1,
                 **(limits or {})},
         bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})},
-        engine="llama.cpp", engine_bin=server.parent, engine_source=SOURCE_REL if with_source else None)
+        engine="llama.cpp", engine_bin=server.parent, engine_source=SOURCE_REL if with_source else None,
+        lookup_cache=lookup)
     readme = WORKSPACE_README.format(name=name) + LLAMA_CPP_README.format(
-        server=server, target=target, drafter=f" with the draft model `{drafter}`" if drafter else "",
+        server=server, target=target, drafter=(f" with the draft model `{drafter}`" if drafter else "") + (
+            f" and the n-gram lookup caches `{lookup}` (made from its own answers; `lookup_cache = \"corpus\"` with "
+            f"`spec_type = \"ngram-cache\"`)" if lookup else ""),
         spec_type=spec_type, visible=len(rows) - hidden, hidden=hidden, source=f"`{source}`",
         fixed=" ".join(fixed) or "none")
     if with_source:

