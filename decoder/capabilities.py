@@ -64,6 +64,10 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
             why = lean_unsupported_reason(_text(drafter_config))
             if why:
                 return f"{cfg.verify} verification grows its tree on the drafter's lean forward: drafter: {why}"
+    if cfg.matmul_backend == "onednn" and dtype == "bfloat16" and cfg.device == "cpu":
+        why = onednn_bf16_refusal()
+        if why:
+            return why
     if cfg.weight_format == "w12" and dtype not in (None, "bfloat16"):
         return f"w12 weights pack bf16 weights; the model is loaded as {dtype} (use --dtype bfloat16)"
     if uses_drafter_model and drafter_config is not None:
@@ -72,6 +76,17 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
             return (f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv}); a drafter must "
                     f"share the target's tokenizer")
     return None
+
+
+def onednn_bf16_refusal() -> str | None:
+    """Why oneDNN cannot pack bfloat16 weights on this CPU, in one line; None when it can. torch's own test
+    (AVX512-BW/VL/DQ or AVX-NE-CONVERT on x86): without it `mkldnn._reorder_linear_weight` raises mid-run."""
+    import torch  # a seam: the command lines start without torch; only a oneDNN bfloat16 config asks
+
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return ('matmul_backend = "onednn" on bfloat16 weights needs a CPU with AVX512-BW/VL/DQ or AVX-NE-CONVERT, '
+            'which this one lacks; use matmul_backend = "torch" or dtype = "float32"')
 
 
 def drafter_files_refusal(cfg: DecodeConfig, drafters: Path, target_dir: Path | str = "TARGET") -> str | None:

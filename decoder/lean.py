@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from decoder.archs import SUPPORTED, lean_unsupported_reason  # noqa: F401 (re-exported)
 from decoder.archs import activation_name as _activation_name
 from decoder.archs import layer_windows as _layer_windows
+from decoder.capabilities import onednn_bf16_refusal
 from decoder.config import MATMUL_BACKENDS
 
 # hidden_act / hidden_activation -> the function HF's ACT2FN entry computes
@@ -275,6 +276,9 @@ class LeanLM:
             if self.dtype not in (torch.float32, torch.bfloat16):
                 raise LeanUnsupported(f"lean forward: matmul_backend = \"onednn\" packs float32 or bfloat16 "
                                       f"weights, not {self.dtype}; use \"torch\"")
+            why = onednn_bf16_refusal() if self.dtype == torch.bfloat16 else None
+            if why:
+                raise LeanUnsupported(f"lean forward: {why}")
             key = tuple(id(w) for w in self._matmul_weights())
             if self._onednn_store is not None and self._onednn_store[0] == key:
                 packed = self._onednn_store[1]

@@ -451,7 +451,8 @@ def test_batch_methods_on_another_forward_get_that_forwards_ar(tmp_path):
     rows = [json.loads(x) for x in (DEMO_DIR / "prompts" / "code.jsonl").read_text().splitlines()[:3]]
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": r["id"], "text": r["text"][-300:]} for r in rows])
     report = run_batch_bench(DEMO_DIR / "target", None, str(path), 8, (1, 2), drafters=(),
-                             methods=("ar-lean-dnn", "sd-ngram-lean"), noise_prompts=1, progress=False)
+                             methods=("ar-lean-dnn", "sd-ngram-lean"), noise_prompts=1, progress=False,
+                             dtype="float32")  # oneDNN packs float32 on every x86 CPU; bfloat16 needs AVX512
     by = {(r["name"], r["batch_size"]): r for r in report["batch_methods"]}
     for b in (1, 2):
         dnn, plain = by[("ar-lean-dnn", b)], by[("sd-ngram-lean", b)]
@@ -462,7 +463,8 @@ def test_batch_methods_on_another_forward_get_that_forwards_ar(tmp_path):
         assert "forward" not in plain and "speedup_vs_same_forward_ar" not in plain  # stock forward: plain AR only
     assert "x batched AR on its forward" in format_batch_table(report)
     sched = run_batch_bench(DEMO_DIR / "target", None, str(path), 8, (1, 2), drafters=(),
-                            methods=("sd-ngram-lean-dnn",), noise_prompts=1, progress=False, schedule=True)
+                            methods=("sd-ngram-lean-dnn",), noise_prompts=1, progress=False, schedule=True,
+                            dtype="float32")
     sc = sched["schedule"][0]
     assert sc["name"] == "sd-ngram-lean-dnn" and sc["ar_forward"]["matmul_backend"] == "onednn"
     assert "against batched AR with ragged verify and continuous batching, matmul_t_rows = 0, matmul_backend = " \

@@ -475,7 +475,8 @@ def test_train_drafter_answers_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "tokens": [1, 2]}\n{"prompt": "b"}\n')
     cases = [(["drafter", "--kind", "mtp", "--answers", str(tmp_path / "missing.jsonl")], "not a file"),
-             (["drafter", "--kind", "router", "--answers", str(bad)], "only for --kind block, mtp, vocab or corpus"),
+             (["drafter", "--kind", "router", "--answers", str(bad)],
+              "only for --kind block, mtp, vocab, corpus or lookup-cache"),
              (["drafter", "--kind", "mtp", "--answers", str(bad), "--work-dir", str(tmp_path / "w")], "line 2 needs"),
              (["demo", "--only", "data"], "--only data: use target or drafter"),
              (["smollm2-drafter", "--only", "target"], "--only target: use data")]

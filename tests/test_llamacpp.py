@@ -149,7 +149,8 @@ def test_greedy_matches_hf_fp32_and_margins_are_logit_margins(ar_server, demo_fp
             for i, s in enumerate(scores):
                 logits = target(input_ids=torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
                 top = torch.topk(logits, 2).values
-                assert s.margin == pytest.approx((top[0] - top[1]).item(), abs=2e-3)
+                # ggml's f32 matmuls sum in another order per CPU's SIMD width: 2.0e-3 apart seen on one CI CPU
+                assert s.margin == pytest.approx((top[0] - top[1]).item(), abs=1e-2)
                 if i < len(ref):
                     assert s.token == ref[i] or near_tie(s.margin, 1e-3)
         pos = next((i for i, (a, b) in enumerate(zip(done.tokens, ref, strict=False)) if a != b), None)

@@ -192,8 +192,9 @@ def test_a_candidate_gets_the_ceiling_of_its_own_verify_width(ws):
     loop = Loop(ws, LoopOptions())
     hw, base = loop.hardware(), loop.ceiling()  # one profile for all three figures
     make_branch(ws, "k8", {"system.toml": ("draft_len = 3", "draft_len = 8")}, "k=8")
-    assert ceiling_for(ws, hw, ws.stock_commit, 1.0) == pytest.approx(base)
-    wide = ceiling_for(ws, hw, ws.head("k8"), 1.0)
+    # floor 0: on a machine whose measured profile puts stock's oracle below 1x AR, a floor of 1 would hide it
+    assert ceiling_for(ws, hw, ws.stock_commit, 0.0) == pytest.approx(base)
+    wide = ceiling_for(ws, hw, ws.head("k8"), 0.0)
     assert wide != pytest.approx(base) and ceiling_for(ws, hw, ws.head("k8"), base) == max(wide, base)
 
 

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from decoder.batch import BatchEngine, BatchLM, BatchRun, Request, poisson_arrivals
+from decoder.capabilities import refusal
 from decoder.config import (
     FEATURE_DRAFTERS,
     SCHEDULE_MIN_GAIN,
@@ -133,6 +134,11 @@ def run_batch_bench(target_dir: Path, drafter_dir: Path | None, prompts_spec: st
         raise BenchError(f"--batch-methods {','.join(methods)} need --drafter DIR")
     prompts_name, prompts, tok, target, drafter = load_bench_inputs(
         target_dir, drafter_dir, needs_model, prompts_spec, prompt_dir, limit, dtype, device)
+    for m, c in method_cfgs.items():  # what this model or this CPU cannot run is a usage error, not a crash mid-bench
+        why = refusal(replace(c, dtype=dtype, device=device), target.config,
+                      drafter.config if drafter is not None else None, dtype)
+        if why:
+            raise BenchError(f"--batch-methods {m}: {why}")
     heads = None
     if any(c.drafter in (*FEATURE_DRAFTERS, "corpus") for c in method_cfgs.values()):
         heads = FeatureHeads(drafters_root or drafters_dir(target_dir), target.config, target.dtype, target.device)
