@@ -189,7 +189,8 @@ def test_a_missing_or_foreign_datastore_is_refused_in_one_line(tmp_path, tiny_an
 
 
 @needs_demo
-def test_train_drafter_kind_corpus_writes_the_index_and_fails_in_one_line(tmp_path, capsys):
+@pytest.mark.slow  # tokenizes the whole corpus and indexes >100k contexts: ~55 s on 2 cores
+def test_train_drafter_kind_corpus_writes_the_index(tmp_path, capsys):
     from workbench.cli import main
 
     out = tmp_path / "d" / CORPUS_FILE
@@ -209,9 +210,17 @@ def test_train_drafter_kind_corpus_writes_the_index_and_fails_in_one_line(tmp_pa
     answers.write_text(json.dumps({"prompt": "x", "tokens": [5, 6, 7, 8]}) + "\n")
     assert main([*argv[:4], "--answers", str(answers), "--out", str(out), "--work-dir", str(work)]) == 0
     assert json.loads(capsys.readouterr().out)["own_tokens"] == 5
+
+
+def test_train_drafter_kind_corpus_fails_in_one_line_before_any_work(tmp_path, capsys):
+    from workbench.cli import main
+
+    out, work = tmp_path / "d" / CORPUS_FILE, tmp_path / "w"
+    argv = ["train", "drafter", "--kind", "corpus"]
     (tmp_path / "file").write_text("a file where a folder should be")
     for bad, msg in ((["--train-sequences", "-1"], "--train-sequences -1 must be 0 or more"),
                      (["--out", str(tmp_path / "file" / CORPUS_FILE)], "cannot write")):
         code = main([*argv[:4], "--train-sequences", "0", "--work-dir", str(work), "--out", str(out), *bad])
         err = capsys.readouterr().err
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not (work.exists() and any(work.rglob("*.np*")))  # nothing half-written
