@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from decoder.engines import llamacpp_build
 from decoder.models import DEMO_DIR, load_causal_lm, load_tokenizer
 
 # One intra-op thread: CI's two cores are often shared with other work, and OpenMP threads that spin-wait
@@ -112,19 +114,36 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_data_dir(tmp_path_factory):
+    """Fixtures built once per file or session (workspaces, their stock references) write outside the user's real
+    data directory too: they are set up before any test's own `_private_data_dir`."""
+    path = tmp_path_factory.mktemp("specpilot-data-session")
+    users_engines = os.environ.get("SPECPILOT_ENGINES_DIR")
+    with pytest.MonkeyPatch.context() as mp:
+        # A built llama.cpp stays where those fixtures found it before (the user's engine cache, only read);
+        # each test's own data dir resolves engines as it always did (`_private_data_dir`).
+        mp.setenv("SPECPILOT_ENGINES_DIR", str(llamacpp_build.engines_root()))
+        mp.setenv("SPECPILOT_DATA_DIR", str(path))
+        yield path, users_engines
+
+
 @pytest.fixture(autouse=True)
-def _private_data_dir(monkeypatch, tmp_path_factory):
+def _private_data_dir(monkeypatch, tmp_path_factory, _session_data_dir):
     """No test writes to the user's real data directory (global memory, hardware profiles, workspaces).
 
     This machine's measured profile (`hardware/cpu-local.json`, saved only when measured quietly) carries from
     one test's data directory to the next on the same worker, as it carries from one run to the next for a user:
     a loop test then reads it instead of measuring the machine again (9-18 s each)."""
+    session_dir, users_engines = _session_data_dir
     data = tmp_path_factory.mktemp("specpilot-data")
-    saved = tmp_path_factory.getbasetemp() / "measured-hardware" / "cpu-local.json"
+    saved = session_dir / "hardware" / "cpu-local.json"
     if saved.is_file():
         (data / "hardware").mkdir()
         shutil.copyfile(saved, data / "hardware" / saved.name)
     monkeypatch.setenv("SPECPILOT_DATA_DIR", str(data))
+    if users_engines is None:
+        monkeypatch.delenv("SPECPILOT_ENGINES_DIR")
     yield
     measured = data / "hardware" / saved.name
     if not saved.is_file() and measured.is_file():
