@@ -89,6 +89,19 @@ def onednn_bf16_refusal() -> str | None:
             'which this one lacks; use matmul_backend = "torch" or dtype = "float32"')
 
 
+def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU computes bfloat16 natively (AMX-BF16 or AVX512-BF16 on x86, BF16 on Arm), read from
+    /proc/cpuinfo's flags; None where that file cannot tell. Without it torch converts every bf16 matmul and
+    float32 decodes faster (the demo: AR 125.8 against 68.8 tok/s on an AVX-512 Xeon without AMX)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    flags = {f for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features")
+             for f in line.split(":", 1)[1].split()}
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"}) if flags else None
+
+
 def drafter_files_refusal(cfg: DecodeConfig, drafters: Path, target_dir: Path | str = "TARGET") -> str | None:
     """What `cfg` needs from the target's drafters directory (`TARGET/drafters`: feature drafters, router,
     token ranking) and does not find there, in one line with the command that makes it; None when all is there

@@ -66,3 +66,43 @@ def test_demo_runs_a_round_and_prints_result_patch_and_tui_command(tmp_path: Pat
     # A second run finds the round done and prints the same result without measuring again.
     again = _demo("--workspace", str(ws), timeout=600)
     assert again.returncode == 0 and again.stdout.splitlines()[0] == out[0], again.stderr[-2000:]
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path):
+    from decoder.capabilities import native_bf16_cpu
+
+    cases = {"flags\t\t: fpu avx2 avx512f avx512bw amx_bf16 amx_tile\n": True,
+             "flags\t\t: fpu avx2 avx512_bf16\n": True,
+             "flags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512dq\n": False,
+             "Features\t: fp asimd bf16 i8mm\n": True,
+             "processor\t: 0\n": None}
+    for i, (text, want) in enumerate(cases.items()):
+        (tmp_path / f"c{i}").write_text(text)
+        assert native_bf16_cpu(tmp_path / f"c{i}") is want, text
+    assert native_bf16_cpu(tmp_path / "missing") is None
+
+
+@needs_demo
+def test_init_demo_dtype_reaches_system_and_stock_and_bad_values_are_one_line(tmp_path: Path):
+    """`init demo --dtype float32` makes a float32 system and stock; a bad dtype, --dtype beside --target, and
+    `demo --dtype` on a workspace made in another dtype are one line, exit 2, nothing created."""
+    from workbench.workspace import Workspace
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    r = cli("init", "demo", str(tmp_path / "f32"), "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    ws = Workspace(tmp_path / "f32")
+    assert ws.config.dtype == "float32" and ws.config_at(ws.stock_commit)["dtype"] == "float32"
+    assert "note: this CPU has no native bfloat16" not in r.stderr  # the hint is for bfloat16 only
+    for argv, msg in ((("init", "demo", str(tmp_path / "h"), "--dtype", "float16"), "--dtype float16: choose one of"),
+                      (("init", "--target", str(tmp_path), str(tmp_path / "t"), "--dtype", "float32"),
+                       "--dtype float32 goes with `specpilot init demo"),
+                      (("demo", "--workspace", str(tmp_path / "h2"), "--dtype", "half"), "--dtype half: choose one"),
+                      (("demo", "--workspace", str(tmp_path / "f32"), "--dtype", "bfloat16", "--budget-minutes", "1"),
+                       "was made in float32")):
+        r = cli(*argv)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, (argv, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f32"]

@@ -36,7 +36,7 @@ import git
 
 import decoder
 import kernels
-from decoder.capabilities import drafter_files_refusal, drafters_dir, refusal
+from decoder.capabilities import drafter_files_refusal, drafters_dir, native_bf16_cpu, refusal
 from decoder.config import ConfigError, DecodeConfig, read_table
 from decoder.engines import EngineError
 from decoder.engines.llamacpp import LlamaServer, ServerSettings, SpecSettings
@@ -729,11 +729,27 @@ def _default_limits(*model_dirs: Path | None) -> dict:
             "memory_mb": max(4096, 2048 + int(2 * size / 2**20)), "threads": 1}
 
 
+WORKSPACE_DTYPES = ("bfloat16", "float32")  # what `init --dtype` offers: the weights' dtype in system and stock
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in WORKSPACE_DTYPES:
+        raise WorkspaceError(f"--dtype {dtype}: choose one of {', '.join(WORKSPACE_DTYPES)}")
+
+
+def bf16_hint(dtype: str) -> str | None:
+    """One line advising float32 when a workspace decodes bfloat16 on a CPU that has no native bfloat16."""
+    if dtype != "bfloat16" or native_bf16_cpu() is not False:
+        return None
+    return ("note: this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16 flag): every bf16 matmul is converted; "
+            "a demo made with --dtype float32 decodes faster here")
+
+
 def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 64, prompt_limit: int | None = None,
               hidden: int = DEMO_HIDDEN, limits: dict | None = None, prompts: str = "code",
-              name: str | None = None, bench: dict | None = None, batch_sizes: list[int] | None = None
-              ) -> Workspace:
-    """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts.
+              name: str | None = None, bench: dict | None = None, batch_sizes: list[int] | None = None,
+              dtype: str = "bfloat16") -> Workspace:
+    """Create the embedded demo workspace: stock decoder and kernels, demo models, visible prompts, in `dtype`.
 
     The keyword arguments shrink it (fewer prompts, shorter forcing, tighter limits), e.g. for tests.
     """
@@ -744,6 +760,7 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     if prompts not in ("code", "prose"):
         raise WorkspaceError(f"--prompts {prompts}: the demo has code and prose prompt sets")
     name = _check_name(name or ("demo" if prompts == "code" else f"demo-{prompts}"))
+    _check_dtype(dtype)
     for sub in ("target", "drafter", "tokenizer", f"prompts/{prompts}.jsonl"):
         if not (DEMO_DIR / sub).exists():
             raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
@@ -752,12 +769,13 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     cfg = WorkspaceConfig(
         batch_sizes=load_points({"load": {"batch_sizes": batch_sizes or [1]}}, path),
         name=name, target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
-        tokenizer=(DEMO_DIR / "target").resolve(),  # the target directory carries its tokenizer
+        tokenizer=(DEMO_DIR / "target").resolve(), dtype=dtype,  # the target directory carries its tokenizer
         entry=_entry(drafter=True), protected=list(DEMO_PROTECTED), forcing_max_new_tokens=forcing_max_new_tokens,
         # one thread: on a shared 2-core machine OpenMP spin-waits make two threads up to 10x slower
         limits={"start_s": 120, "request_s": 120, "memory_mb": 4096, "threads": 1, **(limits or {})},
         bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})})
-    return _create(path, cfg, rows, hidden=hidden, stock=DecodeConfig(), readme=WORKSPACE_README.format(name=name),
+    return _create(path, cfg, rows, hidden=hidden, stock=DecodeConfig(dtype=dtype),
+                   readme=WORKSPACE_README.format(name=name),
                    label="the demo system", what=f"demo workspace ({prompts} prompts)")
 
 
