@@ -157,10 +157,11 @@ def _cmd_init(args: argparse.Namespace) -> int:
                        batch_sizes=_batch_sizes(args.batch_sizes), dtype=args.dtype or "bfloat16")
     except _errors() as e:
         return fail(str(e))
-    hint = bf16_hint(ws.config.dtype)
+    rc = _created(ws, "demo workspace", args.json)
+    hint = bf16_hint(ws.config.dtype)  # after what was made: the created line stays first
     if hint:
         print(hint, file=sys.stderr)
-    return _created(ws, "demo workspace", args.json)
+    return rc
 
 
 def _cmd_branch(args: argparse.Namespace) -> int:
