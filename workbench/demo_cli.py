@@ -22,7 +22,7 @@ from workbench.cli_util import fail, positive_int, quiet_transformers
 from workbench.export import export
 from workbench.loop import Loop, LoopOptions
 from workbench.tui_entry import EXIT_BUDGET, EXIT_OK, _progress, run_headless
-from workbench.workspace import WORKSPACE_DTYPES, Workspace, WorkspaceError, bf16_hint, init_demo
+from workbench.workspace import Workspace, WorkspaceError, bf16_hint, check_dtype, init_demo
 
 DEFAULT_WORKSPACE = "build/demo-workspace"
 PATCH_DIR = "patches"  # under the workspace's .specpilot/ state: never committed, never seen by agents
@@ -73,8 +73,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.budget_minutes > 0 or args.budget_minutes == float("inf"):
         return fail(f"--budget-minutes {args.budget_minutes:g}: must be a positive number of minutes")
-    if args.dtype is not None and args.dtype not in WORKSPACE_DTYPES:
-        return fail(f"--dtype {args.dtype}: choose one of {', '.join(WORKSPACE_DTYPES)}")
+    try:  # before any folder is made
+        if args.dtype is not None:
+            check_dtype(args.dtype)
+    except WorkspaceError as e:
+        return fail(str(e))
     path = Path(args.workspace).absolute()
     if not (path / "specpilot.toml").exists():  # say what is wrong with the folder before any work starts
         up = path

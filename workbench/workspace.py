@@ -732,7 +732,8 @@ def _default_limits(*model_dirs: Path | None) -> dict:
 WORKSPACE_DTYPES = ("bfloat16", "float32")  # what `init --dtype` offers: the weights' dtype in system and stock
 
 
-def _check_dtype(dtype: str) -> None:
+def check_dtype(dtype: str) -> None:
+    """A WorkspaceError naming `dtype` and the choices when a workspace cannot be made in it."""
     if dtype not in WORKSPACE_DTYPES:
         raise WorkspaceError(f"--dtype {dtype}: choose one of {', '.join(WORKSPACE_DTYPES)}")
 
@@ -760,7 +761,7 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
     if prompts not in ("code", "prose"):
         raise WorkspaceError(f"--prompts {prompts}: the demo has code and prose prompt sets")
     name = _check_name(name or ("demo" if prompts == "code" else f"demo-{prompts}"))
-    _check_dtype(dtype)
+    check_dtype(dtype)
     for sub in ("target", "drafter", "tokenizer", f"prompts/{prompts}.jsonl"):
         if not (DEMO_DIR / sub).exists():
             raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
