@@ -608,7 +608,9 @@ def test_the_loop_deadline_cuts_the_wall_budget(worktree: Path):
     ctx.deadline = time.monotonic() + 1.0
     with OpenAIStub([], after=lambda body: slow(30.0, say("late"))) as stub:
         result = LLMAgent(config(stub, wall_s=600.0, request_timeout_s=30.0)).run(ctx)
-    assert result.details["wall_budget_s"] <= 1.0 and result.details["wall_s"] <= 1.05
+    # the budget is cut to the deadline (exact); the run ends near it, not after the 30 s reply (a loaded CI
+    # machine ran 1.071 s: slack for scheduling, far below the reply it did not wait for)
+    assert result.details["wall_budget_s"] <= 1.0 and result.details["wall_s"] <= 5.0
 
 
 def test_probe_reads_each_servers_context_size():
