@@ -311,17 +311,18 @@ def test_an_llm_agent_writes_a_kernel_sees_its_kernel_test_in_the_smoke_run_and_
 
 
 def test_the_kernel_library_and_what_a_patch_adds():
-    from workbench.agents.kernel import _added_lines, library
+    from workbench.agents.kernel import library
+    from workbench.engine_source import added_lines
 
     lib = {k.name: k for k in library()}
     k = lib["ggml-q4_1-cols"]
     assert k.patch == PATCH and k.weight_types == ("q4_1",) and {"compute", "weights"} == set(k.families)
-    added = _added_lines(k.text())
+    added = added_lines(k.text())
     assert list(added) == ["ggml/src/ggml-cpu/ggml-cpu.c"]
     assert any("ggml_q4_1_cols_rows(src0" in line for line in added["ggml/src/ggml-cpu/ggml-cpu.c"])
     q8 = lib["ggml-q8_0-cols"]  # the tied LM head's type: a second kernel the tuner stacks on the first
     assert q8.weight_types == ("q8_0",) and {"compute", "weights"} == set(q8.families)
-    assert any("ggml_q8_0_cols_rows(src0" in line for line in _added_lines(q8.text())["ggml/src/ggml-cpu/ggml-cpu.c"])
+    assert any("ggml_q8_0_cols_rows(src0" in line for line in added_lines(q8.text())["ggml/src/ggml-cpu/ggml-cpu.c"])
     assert list(lib)[:2] == ["ggml-q4_1-cols", "ggml-q8_0-cols"]  # the order the tuner stacks them in
 
 

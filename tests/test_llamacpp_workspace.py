@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
+import git
 import pytest
 
 from costmodel.widths import WidthProfile, width_gaps
@@ -18,8 +22,11 @@ from decoder.engines import llamacpp_build as build
 from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.mechanisms import LLAMA_CPP_REGISTRY, contract_for
 from decoder.stats import MethodEntry
-from workbench.agents.tuner import candidates, mechanism_name
+from workbench.agents.base import AgentContext, AgentResult, Direction, SmokeResult
+from workbench.agents.engine_patch import applicable, by_flag, library, missing
+from workbench.agents.tuner import TunerAgent, candidates, mechanism_name
 from workbench.cli import main
+from workbench.engine_source import SOURCE_REL, added_lines
 
 ENGINES = build.engines_root()  # the user's engine cache, read before conftest gives each test a private data dir
 
@@ -337,3 +344,97 @@ def test_both_systems_read_requests_the_same_way():
     assert [e["id"] for e in errors] == [None, None]
     assert errors[0]["error"] == "bad request: a request is a JSON object"
     assert errors[1]["error"].startswith("bad request: Expecting value")
+
+
+# -- engine patches: a knob upstream llama.cpp lacks ------------------------------------------------------------
+
+
+def test_ngram_cache_caps_its_drafts_with_a_flag_of_the_patched_engine_only():
+    cap = LlamaCppConfig(spec_type="ngram-cache", lookup_cache="corpus", draft_n_max=3)
+    assert cap.spec_flags(None, Path("/c")) == ["--spec-type", "ngram-cache", "--lookup-cache-dynamic",
+                                                "/c/dynamic.bin", "--lookup-cache-static", "/c/static.bin",
+                                                "--spec-ngram-cache-n-max", "3"]
+    assert cap.verify_width() == 4 and cap.patched_flags() == ["--spec-ngram-cache-n-max"]
+    upstream = LlamaCppConfig(spec_type="ngram-cache")  # upstream's fixed 8 drafted tokens: no flag, width 9
+    assert upstream.verify_width() == 9 and upstream.patched_flags() == []
+    assert "--spec-ngram-cache-n-max" not in upstream.spec_flags(None)
+    # the draft model's and ngram-mod's caps are upstream flags
+    assert LlamaCppConfig(spec_type="draft-simple", draft_n_max=3).patched_flags() == []
+    assert LlamaCppConfig(spec_type="ngram-mod", draft_n_max=3).patched_flags() == []
+
+
+def _engine_repo(tmp_path: Path, with_source: bool = True):
+    """A real git repository standing in for a workspace's: an engine tree without the patch's lines (`without`)
+    and one with every line the library's ngram-cache patch adds (`with_`)."""
+    repo = git.Repo.init(tmp_path)
+    repo.git.config("user.email", "t@example.com")
+    repo.git.config("user.name", "t")
+    (p,) = [x for x in library() if x.name == "llama-ngram-cache-n-max"]
+    files = added_lines(p.text())
+    for rel in files:
+        (tmp_path / SOURCE_REL / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / SOURCE_REL / rel).write_text("// upstream\n")
+    repo.git.add("-A")
+    repo.git.commit("-q", "-m", "upstream")
+    without = repo.head.commit.hexsha
+    for rel, lines in files.items():
+        (tmp_path / SOURCE_REL / rel).write_text("// upstream\n" + "\n".join(lines) + "\n")
+    repo.git.commit("-qam", "patched")
+    ws = SimpleNamespace(repo=repo, path=tmp_path,
+                         config=SimpleNamespace(engine_source=SOURCE_REL if with_source else None))
+    return ws, without, repo.head.commit.hexsha
+
+
+def test_a_flag_of_an_engine_patch_is_refused_where_the_engine_lacks_the_patch(tmp_path):
+    flags = LlamaCppConfig(spec_type="ngram-cache", draft_n_max=3).patched_flags()
+    ws, without, with_ = _engine_repo(tmp_path / "src")
+    assert by_flag("--spec-ngram-cache-n-max").family == "drafting"
+    assert missing(ws, with_, flags) is None and missing(ws, with_, []) is None
+    why = missing(ws, without, flags)
+    assert why == f"--spec-ngram-cache-n-max needs the engine patch llama-ngram-cache-n-max, which the engine " \
+                  f"source at {without[:10]} lacks"
+    assert missing(ws, None, flags) is None  # the commit that will carry it is not made yet: the tuner's own check
+    # the tuner offers the patch to a drafting search on a base without it, and not again once carried
+    assert [p.name for p in applicable(ws, without, "drafting")] == ["llama-ngram-cache-n-max"]
+    assert applicable(ws, with_, "drafting") == [] and applicable(ws, without, "compute") == []
+    prebuilt, _, _ = _engine_repo(tmp_path / "bin", with_source=False)
+    assert "this workspace runs a prebuilt llama.cpp" in missing(prebuilt, None, flags)
+    assert applicable(prebuilt, without, "drafting") == []
+
+
+@pytest.mark.skipif(not build.source_dir().is_dir(), reason="llama.cpp's source is not unpacked (run `make llama-cpp`)")
+def test_the_engine_patches_apply_to_the_vendored_llama_cpp(tmp_path):
+    for p in library():
+        for rel in added_lines(p.text()):
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(build.source_dir() / rel, tmp_path / rel)
+        r = subprocess.run(["git", "apply", "--check", str(p.patch)], cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, f"{p.name}: {r.stderr}"
+
+
+@needs_llamacpp
+def test_the_tuner_keeps_an_engine_patch_only_when_its_winner_uses_the_flag(demo_ws):
+    (patch,) = [p for p in library() if p.name == "llama-ngram-cache-n-max"]
+    ws = demo_ws
+    for name, n_max in (("uses-the-cap", 3), ("upstream-cap", 0)):
+        b = ws.create_branch(name)
+        wt = Path(b.worktree_path)
+        g = ws.worktree_git(name)
+        before = ws.head(name)
+        (wt / "engine-patch.txt").write_text("stands in for the patch's commit\n")  # what the settle step reverts
+        g.add("-A")
+        g.commit("-q", "-m", "engine: the patch")
+        LlamaCppConfig(threads=1, spec_type="ngram-cache", draft_n_max=n_max).save(wt / "system.toml")
+        g.commit("-qam", "tuner (drafting): the winner")
+        won = ws.head(name)
+        ctx = AgentContext(name, wt, Direction("drafting", 1.0, "drafting"), [], [], lambda: SmokeResult(True, "ok"),
+                           lambda *a: None, git_common_dir=Path(ws.repo.git_dir))
+        res = TunerAgent(ws)._settle_engine_patches(ctx, before, [patch], AgentResult(
+            True, "llama-ngram-cache: 1.10x", mechanism="llama-ngram-cache", summary="s", details={"config": {}}))
+        if n_max:  # the winner passes --spec-ngram-cache-n-max: the patch stays, named in the mechanism
+            assert ws.head(name) == won and res.mechanism == "llama-ngram-cache-n-max+llama-ngram-cache"
+            assert res.details["engine_patches"] == ["llama-ngram-cache-n-max"]
+        else:  # upstream's behaviour: the config alone on the base, the patch's commit gone
+            assert ws.head(name) != won and ws.rev(f"{ws.head(name)}~1") == before
+            assert not (wt / "engine-patch.txt").exists() and res.mechanism == "llama-ngram-cache"
+            assert LlamaCppConfig.from_table(ws.config_at(ws.head(name))).spec_type == "ngram-cache"

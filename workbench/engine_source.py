@@ -85,6 +85,33 @@ def _git(ws) -> object:
     return hardened(Path(ws.repo.git_dir), ws.path)
 
 
+def added_lines(patch: str) -> dict[str, list[str]]:
+    """The lines a patch adds, per file (paths inside the engine tree)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in patch.splitlines():
+        if line.startswith("+++ "):
+            current = line[4:].removeprefix("b/").strip()
+            out[current] = []
+        elif current and line.startswith("+") and line[1:].strip():
+            out[current].append(line[1:])
+    return out
+
+
+def carries(ws, commit: str, patch: str) -> bool:
+    """Whether `commit`'s engine tree already has every line `patch` adds (hardened git on the main repository:
+    the commit's objects are read as data, never with its configuration)."""
+    g = _git(ws)
+    for rel, lines in added_lines(patch).items():
+        try:
+            blob = g.show(f"{commit}:{SOURCE_REL}/{rel}")
+        except git.GitCommandError:  # a file the engine tree lacks: the patch is not carried
+            return False
+        if not all(line in blob for line in lines):
+            return False
+    return True
+
+
 def engine_tree(ws, commit: str) -> str:
     """The id of `commit`'s engine source tree; SystemCrash("build") when the commit has none."""
     try:

@@ -54,6 +54,7 @@ from decoder.engines.smollm2 import (
 )
 from decoder.mechanisms import ENGINES, Contract, contract_for
 from store import Branch, Memory, StoreError, data_dir
+from workbench.agents import engine_patch
 from workbench.engine_source import SOURCE_REL, carry_source
 from workbench.harness import sandbox_status, unreadable_for_sandbox
 from workbench.progress import pid_alive
@@ -264,15 +265,17 @@ class Workspace:
         the keys of its AR reference."""
         return contract_for(self.config.engine)
 
-    def refusal(self, cfg: DecodeConfig | LlamaCppConfig) -> str | None:
+    def refusal(self, cfg: DecodeConfig | LlamaCppConfig, commit: str | None = None) -> str | None:
         """Why this deployment's models cannot run `cfg` (decoder/capabilities.py: architecture, a missing
-        draft model), in one line; None when they can. The tuner and planning propose only what can run."""
+        draft model), in one line; None when they can. The tuner and planning propose only what can run.
+        `commit`: the commit whose engine would run it (a llama.cpp flag that only a patched engine knows is
+        refused where the commit's engine source lacks the patch)."""
         if isinstance(cfg, LlamaCppConfig):
             if cfg.spec_type == "draft-simple" and self.config.drafter is None:
                 return "this deployment has no draft model GGUF (specpilot.toml: drafter)"
             if cfg.spec_type == "ngram-cache" and cfg.lookup_cache == "corpus" and self.config.lookup_cache is None:
                 return "this deployment has no n-gram lookup cache (specpilot.toml: lookup_cache)"
-            return None
+            return engine_patch.missing(self, commit, cfg.patched_flags())
         if cfg.method == "sd" and cfg.drafter == "draft-model" and self.config.drafter is None:
             return "this deployment has no draft model (specpilot.toml: drafter)"
         why = drafter_files_refusal(cfg, drafters_dir(self.config.target), self.config.target)

@@ -27,6 +27,11 @@ FLASH_ATTN = ("auto", "on", "off")
 LOOKUP_CACHES = ("off", "corpus")  # lookup_cache: the deployment's n-gram caches for ngram-cache (lookup_cache.py)
 NGRAM_CACHE_DRAFT = 8  # llama-server's ngram-cache drafts at most 8 tokens (fixed in common/speculative.cpp)
 MAX_THREADS = 256
+# Flags only an engine carrying one of decoder/engines/patches/ knows (upstream llama-server refuses them): the
+# flag, and the patch that adds it (patches.toml's name). Workspace.refusal holds a config that needs one to the
+# engine source of the commit it runs on.
+NGRAM_CACHE_N_MAX_FLAG = "--spec-ngram-cache-n-max"
+PATCHED_FLAGS = {NGRAM_CACHE_N_MAX_FLAG: "llama-ngram-cache-n-max"}
 
 
 @dataclass
@@ -96,7 +101,7 @@ class LlamaCppConfig(ConfigTable):
         if self.spec_type == "none":
             return 1
         if self.spec_type == "ngram-cache":
-            return 1 + NGRAM_CACHE_DRAFT
+            return 1 + (self.draft_n_max or NGRAM_CACHE_DRAFT)
         if self.spec_type in NGRAM_SIZED:
             return 1 + (self.ngram_size_m or 48)
         return 1 + (self.draft_n_max or (64 if self.spec_type == "ngram-mod" else 3))
@@ -122,7 +127,9 @@ class LlamaCppConfig(ConfigTable):
         # ngram-mod has bounds and a lookup length of its own (llama.cpp's common/speculative.cpp ignores the
         # --spec-draft-n-* flags for it); the other n-gram types draft size_m tokens.
         mod = self.spec_type == "ngram-mod"
-        for key, flag in (("draft_n_max", "--spec-ngram-mod-n-max" if mod else "--spec-draft-n-max"),
+        # ngram-cache drafts up to 8 tokens in upstream llama.cpp; its cap is a flag of the patched engine only
+        cap = NGRAM_CACHE_N_MAX_FLAG if self.spec_type == "ngram-cache" else "--spec-draft-n-max"
+        for key, flag in (("draft_n_max", "--spec-ngram-mod-n-max" if mod else cap),
                           ("draft_n_min", "--spec-ngram-mod-n-min" if mod else "--spec-draft-n-min"),
                           *((("ngram_size_n", "--spec-ngram-mod-n-match"),) if mod else ())):
             if getattr(self, key):
@@ -133,6 +140,14 @@ class LlamaCppConfig(ConfigTable):
             for key, suffix in (("ngram_size_n", "size-n"), ("ngram_size_m", "size-m"), ("ngram_min_hits", "min-hits")):
                 if getattr(self, key):
                     out += [f"--spec-{self.spec_type}-{suffix}", str(getattr(self, key))]
+        return out
+
+    def patched_flags(self) -> list[str]:
+        """The flags of this config that upstream llama-server lacks (PATCHED_FLAGS): they need an engine built
+        from a source tree carrying their patch."""
+        out = []
+        if self.spec_type == "ngram-cache" and self.draft_n_max:
+            out.append(NGRAM_CACHE_N_MAX_FLAG)
         return out
 
     def server_flags(self) -> list[str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.agents.base import AgentContext, AgentResult
-from workbench.engine_source import SOURCE_REL, _git
+from workbench.engine_source import SOURCE_REL, carries
 from workbench.harness import SystemCrash
 from workbench.kernel_check import kernel_check
 
@@ -82,30 +82,9 @@ def kernel_shapes(ws, k: KernelPatch) -> list[list]:
     return [list(s) for s in sorted(seen)]
 
 
-def _added_lines(patch: str) -> dict[str, list[str]]:
-    """The lines a patch adds, per file (paths inside the engine tree)."""
-    out: dict[str, list[str]] = {}
-    current = None
-    for line in patch.splitlines():
-        if line.startswith("+++ "):
-            current = line[4:].removeprefix("b/").strip()
-            out[current] = []
-        elif current and line.startswith("+") and line[1:].strip():
-            out[current].append(line[1:])
-    return out
-
-
 def carried(ws, commit: str, k: KernelPatch) -> bool:
-    """Whether `commit`'s engine tree already has every line `k` adds (hardened git on the main repository)."""
-    g = _git(ws)
-    for rel, lines in _added_lines(k.text()).items():
-        try:
-            blob = g.show(f"{commit}:{SOURCE_REL}/{rel}")
-        except Exception:  # noqa: BLE001 - a file the engine tree lacks: the patch is not carried
-            return False
-        if not all(line in blob for line in lines):
-            return False
-    return True
+    """Whether `commit`'s engine tree already has every line `k` adds."""
+    return carries(ws, commit, k.text())
 
 
 def applicable(ws, commit: str, family: str) -> list[KernelPatch]:

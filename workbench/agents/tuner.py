@@ -22,10 +22,14 @@ from dataclasses import dataclass, replace
 
 from decoder.config import ConfigError, DecodeConfig, choose_draft_len, dump_table, entry_starts, schedule_text
 from decoder.contract import near_tie_threshold
+from decoder.engines.llamacpp_config import LlamaCppConfig
 from decoder.mechanisms import CONTRACTS, Contract
 from workbench.agents.base import AgentContext, AgentResult, Direction
+from workbench.agents.engine_patch import EnginePatch
+from workbench.agents.engine_patch import applicable as applicable_patches
 from workbench.agents.kernel import applicable as applicable_kernels
 from workbench.agents.kernel import kernel_search
+from workbench.engine_source import SOURCE_REL
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock, warm_prompt
 from workbench.progress import step
@@ -231,13 +235,68 @@ class TunerAgent:
                 return self.run(replace(ctx, direction=d))
 
             return kernel_search(self.ws, ctx, kernels, then=speculate)
+        before = self.ws.head(ctx.branch)
+        applied = self._apply_engine_patches(ctx)
+        result = self._search(ctx)
+        return self._settle_engine_patches(ctx, before, applied, result) if applied else result
+
+    def _apply_engine_patches(self, ctx: AgentContext) -> list[EnginePatch]:
+        """Commit the engine patches of the direction's family that the base lacks (a workspace carrying the
+        engine's source): the search then runs on the engine rebuilt from them, where their flags exist."""
+        g = self.ws.worktree_git(ctx.branch)
+        applied = []
+        for p in applicable_patches(self.ws, self.ws.head(ctx.branch), ctx.direction.family):
+            try:
+                g.apply(f"--directory={SOURCE_REL}", str(p.patch))
+            except Exception as e:  # noqa: BLE001 - a patch that does not apply to this base: searched without it
+                ctx.log("tuner.engine", f"{p.name}: does not apply to the base ({str(e).splitlines()[-1][:120]})",
+                        {"patch": p.name})
+                continue
+            g.add("-A")
+            g.commit("-q", "-m", f"engine: {p.name}: {p.summary}")
+            ctx.log("tuner.engine", f"applied {p.name} for the search", {"patch": p.name, "flag": p.flag})
+            applied.append(p)
+        return applied
+
+    def _settle_engine_patches(self, ctx: AgentContext, before: str, applied: list[EnginePatch],
+                               result: AgentResult) -> AgentResult:
+        """Keep the applied patches only when the committed winner uses one of their flags; otherwise the branch
+        goes back to `before`, with the winner's config (if any) committed on it alone."""
+        g = self.ws.worktree_git(ctx.branch)
+        head = self.ws.head(ctx.branch)
+        used: list[EnginePatch] = []
+        if result.committed:
+            cfg = self.contract.config.from_table(self.ws.config_at(head), known_only=True)
+            flags = set(cfg.patched_flags()) if isinstance(cfg, LlamaCppConfig) else set()
+            used = [p for p in applied if p.flag in flags]
+        if used:
+            names = "+".join(p.name for p in used)
+            return replace(result, mechanism=f"{names}+{result.mechanism}",
+                           summary=f"{'; '.join(p.summary for p in used)}; {result.summary}",
+                           message=f"engine {names} with {result.message}",
+                           details={**result.details, "engine_patches": [p.name for p in used]})
+        g.reset("-q", "--hard", before)
+        if result.committed:  # the config alone, on the base without the unused patches
+            g.checkout(head, "--", self.ws.config.config_file)
+            g.add(self.ws.config.config_file)
+            g.commit("-q", "-m", g.log("-1", "--format=%B", head).strip())
+        ctx.log("tuner.engine", f"{'+'.join(p.name for p in applied)}: not used by the winner; reverted", {})
+        return result
+
+    def _search(self, ctx: AgentContext) -> AgentResult:
+        """The config search on the branch as it is (successive halving, then the finalist paired)."""
         wt = ctx.worktree
         try:  # from the git object, not the worktree file: every key, the system's own knobs included
             table = self.ws.config_at(self.ws.head(ctx.branch))
             base = self.contract.config.from_table(table, known_only=True)
         except (WorkspaceError, ConfigError) as e:
             return AgentResult(False, f"the tuner cannot read the branch's config: {e}")
-        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, self.ws.refusal, self.contract)
+        head = self.ws.head(ctx.branch)
+
+        def refuse(cfg) -> str | None:  # what the engine built from this branch can run
+            return self.ws.refusal(cfg, head)
+
+        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, refuse, self.contract)
         schedule_first = (ctx.direction.family == "batching" and any(b > 1 for b in self.points) and base.method == "sd"
                           and "load_schedule" in self.contract.config.__dataclass_fields__)
         if not cands and not schedule_first:
@@ -309,7 +368,7 @@ class TunerAgent:
                     top = max(1, math.ceil(len(alive) * KEEP))
                     winners = [c for c in alive if scores[c.key] > scores[base_c.key]]
                     alive = alive[:top] + [c for c in alive[top:] if c.defaults]
-                    for both in compositions(winners, base, self.ws.refusal, self.contract):
+                    for both in compositions(winners, base, refuse, self.contract):
                         if both.key not in {c.key for c in alive}:
                             ctx.log("tuner.compose", f"composed {both.source}", {"changes": both.changes})
                             alive.insert(0, both)  # scored from the next rung on, beside the mechanisms it joins
