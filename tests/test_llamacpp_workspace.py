@@ -26,7 +26,7 @@ from workbench.agents.base import AgentContext, AgentResult, Direction, SmokeRes
 from workbench.agents.engine_patch import applicable, by_flag, library, missing
 from workbench.agents.tuner import TunerAgent, candidates, mechanism_name
 from workbench.cli import main
-from workbench.engine_source import SOURCE_REL, added_lines
+from workbench.engine_source import SOURCE_REL, added_lines, apply_patch
 
 ENGINES = build.engines_root()  # the user's engine cache, read before conftest gives each test a private data dir
 
@@ -397,6 +397,9 @@ def test_a_flag_of_an_engine_patch_is_refused_where_the_engine_lacks_the_patch(t
     # the tuner offers the patch to a drafting search on a base without it, and not again once carried
     assert [p.name for p in applicable(ws, without, "drafting")] == ["llama-ngram-cache-n-max"]
     assert applicable(ws, with_, "drafting") == [] and applicable(ws, without, "compute") == []
+    # the real patch does not fit these stand-in files: one line of why, and the tree is left as it was
+    why = apply_patch(ws.repo.git, by_flag("--spec-ngram-cache-n-max").patch)
+    assert why and "\n" not in why and not ws.repo.is_dirty()
     prebuilt, _, _ = _engine_repo(tmp_path / "bin", with_source=False)
     assert "this workspace runs a prebuilt llama.cpp" in missing(prebuilt, None, flags)
     assert applicable(prebuilt, without, "drafting") == []

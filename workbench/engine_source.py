@@ -112,6 +112,16 @@ def carries(ws, commit: str, patch: str) -> bool:
     return True
 
 
+def apply_patch(g, patch: Path) -> str | None:
+    """Apply `patch` (paths inside the engine tree) to the worktree of `g` (an agent's own branch); None when it
+    applied, else git's last line of why not."""
+    try:
+        g.apply(f"--directory={SOURCE_REL}", str(patch))
+    except Exception as e:  # noqa: BLE001 - any failure to apply is this one patch not fitting the base
+        return str(e).splitlines()[-1][:120]
+    return None
+
+
 def engine_tree(ws, commit: str) -> str:
     """The id of `commit`'s engine source tree; SystemCrash("build") when the commit has none."""
     try:

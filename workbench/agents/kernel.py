@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.agents.base import AgentContext, AgentResult
-from workbench.engine_source import SOURCE_REL, carries
+from workbench.engine_source import apply_patch, carries
 from workbench.harness import SystemCrash
 from workbench.kernel_check import kernel_check
 
@@ -139,10 +139,9 @@ def kernel_search(ws, ctx: AgentContext, kernels: list[KernelPatch],
         if ctx.stop.is_set():
             break
         ctx.log("tuner.kernel", f"applying {k.name}", {"kernel": k.name, "patch": k.patch.name})
-        try:
-            g.apply(f"--directory={SOURCE_REL}", str(k.patch))
-        except Exception as e:  # noqa: BLE001 - a patch that does not apply to this base: the next one
-            tried.append(f"{k.name}: does not apply to the base ({str(e).splitlines()[-1][:120]})")
+        why = apply_patch(g, k.patch)
+        if why is not None:  # a patch that does not apply to this base: the next one
+            tried.append(f"{k.name}: does not apply to the base ({why})")
             continue
         g.add("-A")
         g.commit("-q", "-m", f"kernel: {k.name}: {k.summary}")

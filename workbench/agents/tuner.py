@@ -29,7 +29,7 @@ from workbench.agents.engine_patch import EnginePatch
 from workbench.agents.engine_patch import applicable as applicable_patches
 from workbench.agents.kernel import applicable as applicable_kernels
 from workbench.agents.kernel import kernel_search
-from workbench.engine_source import SOURCE_REL
+from workbench.engine_source import apply_patch
 from workbench.forcing import run_system, stock_reference
 from workbench.measure import LOAD_FLOOR, load_prompts, measurement_lock, warm_prompt
 from workbench.progress import step
@@ -246,11 +246,9 @@ class TunerAgent:
         g = self.ws.worktree_git(ctx.branch)
         applied = []
         for p in applicable_patches(self.ws, self.ws.head(ctx.branch), ctx.direction.family):
-            try:
-                g.apply(f"--directory={SOURCE_REL}", str(p.patch))
-            except Exception as e:  # noqa: BLE001 - a patch that does not apply to this base: searched without it
-                ctx.log("tuner.engine", f"{p.name}: does not apply to the base ({str(e).splitlines()[-1][:120]})",
-                        {"patch": p.name})
+            why = apply_patch(g, p.patch)
+            if why is not None:  # a patch that does not apply to this base: searched without it
+                ctx.log("tuner.engine", f"{p.name}: does not apply to the base ({why})", {"patch": p.name})
                 continue
             g.add("-A")
             g.commit("-q", "-m", f"engine: {p.name}: {p.summary}")
@@ -286,12 +284,12 @@ class TunerAgent:
     def _search(self, ctx: AgentContext) -> AgentResult:
         """The config search on the branch as it is (successive halving, then the finalist paired)."""
         wt = ctx.worktree
+        head = self.ws.head(ctx.branch)
         try:  # from the git object, not the worktree file: every key, the system's own knobs included
-            table = self.ws.config_at(self.ws.head(ctx.branch))
+            table = self.ws.config_at(head)
             base = self.contract.config.from_table(table, known_only=True)
         except (WorkspaceError, ConfigError) as e:
             return AgentResult(False, f"the tuner cannot read the branch's config: {e}")
-        head = self.ws.head(ctx.branch)
 
         def refuse(cfg) -> str | None:  # what the engine built from this branch can run
             return self.ws.refusal(cfg, head)
