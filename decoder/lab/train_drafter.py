@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from decoder.capabilities import CORPUS_FILE
+from decoder.capabilities import CORPUS_FILE, native_bf16_cpu
 from decoder.contract import data_dir
 from decoder.datastore import CorpusIndex
 from decoder.engines import lookup_cache
@@ -629,7 +629,11 @@ def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: 
         own = [np.asarray(list(r["tokens"]) + [eos], dtype=np.int64) for r in read_answers(Path(answers))]
         source = f"answers {Path(answers).resolve()}"
     elif self_sequences > 0:
-        target = load_causal_lm(target_dir, "target")
+        # Greedy text in the CPU's fastest exact-enough dtype: bf16 where it is native (AMX, AVX512-BF16),
+        # float32 elsewhere (2.2x faster than converted bf16 here). Either writes the target's own text; a near
+        # tie decided the other way only changes what the drafter proposes, never what the target commits.
+        gen_dtype = "float32" if native_bf16_cpu() is False else "bfloat16"
+        target = load_causal_lm(target_dir, "target", dtype=gen_dtype)
         shard, prefix_len, gen_len = 256, 128, 128
         n_shards = math.ceil(self_sequences / shard)
         plan = [(d, i) for d in domains for i in range(n_shards)]
@@ -644,7 +648,8 @@ def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: 
                 _atomic_save_npy(path, torch.cat([prefixes, gens], dim=1).numpy().astype(np.int32))
             seqs = np.load(path).astype(np.int64)[:, prefix_len - nmax :]  # the continuation and its context
             own.extend(np.concatenate([s, [eos]]) for s in seqs)
-        source = f"{self_sequences} greedy continuations of the target per domain ({', '.join(domains)})"
+        source = (f"{self_sequences} greedy continuations of the target per domain ({', '.join(domains)}; "
+                  f"new shards in {gen_dtype})")
     else:
         source = "none"
     stream = np.concatenate([corpus] + [np.concatenate(own)] * self_weight if own else [corpus])
