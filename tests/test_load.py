@@ -13,7 +13,7 @@ from decoder.generate import ar_generate, generate
 from decoder.mechanisms import REGISTRY
 from workbench.forcing import _force_batched
 from workbench.harness import SystemCrash, SystemProcess
-from workbench.measure import LOAD_FLOOR, LoadResult, PairResult, Prompt, paired_bench
+from workbench.measure import LOAD_FLOOR, MIN_BATCH_UNITS, LoadResult, PairResult, Prompt, paired_bench
 from workbench.workspace import WorkspaceError, load_points
 
 # -- the schedule ----------------------------------------------------------------------------------
@@ -144,8 +144,8 @@ def test_paired_bench_under_load_times_batches_and_checks_every_output(tmp_path)
 
     with _echo(tmp_path) as a, _echo(tmp_path) as b:
         res = paired_bench(a, b, prompts, 3, min_passes=2, max_passes=2, batch=4, check_b=check)
-    # At least two units of 4 prompts a pass (prompts repeat): 8 outputs checked per pass.
-    assert res.passes == 2 and len(calls) == 16 and set(calls) == {"p0", "p1", "p2"}
+    # MIN_BATCH_UNITS units of 4 prompts a pass (prompts repeat): every output checked.
+    assert res.passes == 2 and len(calls) == 2 * MIN_BATCH_UNITS * 4 and set(calls) == {"p0", "p1", "p2"}
     assert res.a_tokens_per_s > 0 and not res.mismatched_prompts
 
 

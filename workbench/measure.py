@@ -30,6 +30,12 @@ from workbench.progress import step
 
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 _rng = random.SystemRandom()
+# Timed units a pass under load (batch > 1). A unit pair's ratio scatters by ~10% on a shared 2-vCPU VM (the same
+# batch of 8 demo prompts timed 6 times in one process: 1.22-1.50 s); with two units a pass, the base timed against
+# itself read 0.94-1.07x at B = 8 over nine runs, and the keep threshold (twice the largest deviation) rose to
+# 1.12x. A pass's two restarts and warm-ups took ~12 s against ~5 s for its two timed units there, so two more
+# units cost ~30% more time a pass and halve the variance of its ratio.
+MIN_BATCH_UNITS = 4
 
 
 @dataclass
@@ -163,8 +169,9 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     answers on purpose). A real deployment's requests are distinct.
 
     `batch` > 1 times batches: each timed unit is `batch` prompts sent at once to the system's batched
-    engine (`SystemProcess.generate_batch`), as a server under that load receives them; at least two units
-    a pass (prompts repeat when there are fewer than 2 x batch), so both orders occur every pass.
+    engine (`SystemProcess.generate_batch`), as a server under that load receives them; at least
+    MIN_BATCH_UNITS units a pass (prompts repeat when there are fewer than that many x batch), half of them in
+    each order.
 
     Both sides run on `cpus` (default: the CPUs this process may use); a side found outside them
     after a timed request raises SystemCrash(kind="cheat"). `check_b(prompt_id, tokens)` judges every
@@ -238,10 +245,11 @@ def warm_prompt(prompts: list[Prompt]) -> Prompt:
 
 
 def _units(prompts: list[Prompt], batch: int) -> list[list[Prompt]]:
-    """One pass's timed units in a fresh random order: single prompts, or groups of `batch` (at least two)."""
+    """One pass's timed units in a fresh random order: single prompts, or groups of `batch` (MIN_BATCH_UNITS at
+    least)."""
     if batch <= 1:
         return [[p] for p in _rng.sample(list(prompts), len(prompts))]
-    count = max(2, math.ceil(len(prompts) / batch))
+    count = max(MIN_BATCH_UNITS, math.ceil(len(prompts) / batch))
     pool: list[Prompt] = []
     while len(pool) < count * batch:
         pool += _rng.sample(list(prompts), len(prompts))
