@@ -82,11 +82,31 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path):
     assert native_bf16_cpu(tmp_path / "missing") is None
 
 
+def test_auto_dtype_is_float32_only_where_the_cpu_lacks_native_bf16(tmp_path: Path):
+    from workbench.workspace import WorkspaceError, resolve_dtype
+
+    amx, plain, unknown = tmp_path / "amx", tmp_path / "plain", tmp_path / "unknown"
+    amx.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    plain.write_text("flags\t\t: fpu avx512f avx512bw avx512_vnni\n")
+    unknown.write_text("processor\t: 0\n")
+    for given in (None, "auto"):
+        assert resolve_dtype(given, amx) == ("bfloat16", None)
+        assert resolve_dtype(given, unknown) == ("bfloat16", None)
+        dtype, note = resolve_dtype(given, plain)
+        assert dtype == "float32" and note.startswith("note: float32: this CPU has no native bfloat16")
+        assert "--dtype bfloat16" in note and "\n" not in note
+    assert resolve_dtype("bfloat16", plain) == ("bfloat16", None)  # asked for: kept
+    assert resolve_dtype("float32", amx) == ("float32", None)
+    with pytest.raises(WorkspaceError, match="--dtype half: choose one of auto, bfloat16, float32"):
+        resolve_dtype("half", amx)
+
+
 @needs_demo
 def test_init_demo_dtype_reaches_system_and_stock_and_bad_values_are_one_line(tmp_path: Path):
-    """`init demo --dtype float32` makes a float32 system and stock; a bad dtype, --dtype beside --target, and
-    `demo --dtype` on a workspace made in another dtype are one line, exit 2, nothing created."""
-    from workbench.workspace import Workspace
+    """`init demo --dtype float32` makes a float32 system and stock, no --dtype the CPU's choice; a bad dtype,
+    --dtype beside --target, and `demo --dtype` on a workspace made in another dtype are one line, exit 2, nothing
+    created."""
+    from workbench.workspace import Workspace, auto_dtype
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
@@ -97,6 +117,11 @@ def test_init_demo_dtype_reaches_system_and_stock_and_bad_values_are_one_line(tm
     ws = Workspace(tmp_path / "f32")
     assert ws.config.dtype == "float32" and ws.config_at(ws.stock_commit)["dtype"] == "float32"
     assert "note: this CPU has no native bfloat16" not in r.stderr  # the hint is for bfloat16 only
+    # Without --dtype the CPU decides: float32 (with a note saying why) where it has no native bfloat16.
+    r = cli("init", "demo", str(tmp_path / "auto"))
+    assert r.returncode == 0, r.stderr
+    assert Workspace(tmp_path / "auto").config.dtype == auto_dtype()
+    assert ("note: float32: this CPU has no native bfloat16" in r.stderr) == (auto_dtype() == "float32"), r.stderr
     for argv, msg in ((("init", "demo", str(tmp_path / "h"), "--dtype", "float16"), "--dtype float16: choose one of"),
                       (("init", "--target", str(tmp_path), str(tmp_path / "t"), "--dtype", "float32"),
                        "--dtype float32 goes with `specpilot init demo"),
@@ -105,4 +130,4 @@ def test_init_demo_dtype_reaches_system_and_stock_and_bad_values_are_one_line(tm
                        "was made in float32")):
         r = cli(*argv)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, (argv, r.stderr)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f32"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auto", "f32"]

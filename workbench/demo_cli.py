@@ -22,7 +22,7 @@ from workbench.cli_util import fail, positive_int, quiet_transformers
 from workbench.export import export
 from workbench.loop import Loop, LoopOptions
 from workbench.tui_entry import EXIT_BUDGET, EXIT_OK, _progress, run_headless
-from workbench.workspace import Workspace, WorkspaceError, bf16_hint, check_dtype, init_demo
+from workbench.workspace import DTYPE_AUTO, Workspace, WorkspaceError, bf16_hint, init_demo, resolve_dtype
 
 DEFAULT_WORKSPACE = "build/demo-workspace"
 PATCH_DIR = "patches"  # under the workspace's .specpilot/ state: never committed, never seen by agents
@@ -74,8 +74,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not args.budget_minutes > 0 or args.budget_minutes == float("inf"):
         return fail(f"--budget-minutes {args.budget_minutes:g}: must be a positive number of minutes")
     try:  # before any folder is made
-        if args.dtype is not None:
-            check_dtype(args.dtype)
+        dtype, note = resolve_dtype(args.dtype)
     except WorkspaceError as e:
         return fail(str(e))
     path = Path(args.workspace).absolute()
@@ -88,16 +87,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         if not os.access(up, os.W_OK):
             return fail(f"demo workspace {path}: {up} is not writable; pick a folder you can write")
     try:
-        if not (path / "specpilot.toml").exists():
-            _progress(f"creating the demo workspace at {path}" + (f" ({args.dtype})" if args.dtype else ""))
-            init_demo(path, dtype=args.dtype or "bfloat16")
+        created = not (path / "specpilot.toml").exists()
+        if created:
+            _progress(f"creating the demo workspace at {path} ({dtype})")
+            init_demo(path, dtype=dtype)
         ws = Workspace(path)
     except (WorkspaceError, OSError) as e:
         return fail(f"demo workspace {path}: {e}".splitlines()[0])
-    if args.dtype is not None and args.dtype != ws.config.dtype:
+    if args.dtype not in (None, DTYPE_AUTO) and args.dtype != ws.config.dtype:
         return fail(f"--dtype {args.dtype}: the demo workspace {path} was made in {ws.config.dtype}; --dtype applies "
                     f"when it is created: give a new --workspace")
-    hint = bf16_hint(ws.config.dtype)
+    hint = (note if created else None) or bf16_hint(ws.config.dtype)
     if hint:
         _progress(hint)
 
@@ -127,7 +127,7 @@ def add_parser(sub) -> None:
                    help=f"demo workspace folder (default: {DEFAULT_WORKSPACE}; created on first use)")
     d.add_argument("--rounds", type=positive_int, default=1, help="loop rounds (default 1)")
     d.add_argument("--budget-minutes", type=float, default=15.0, help="time budget (default 15)")
-    d.add_argument("--dtype", metavar="bfloat16|float32",
-                   help="when the workspace is created: the weights' dtype (default bfloat16; float32 decodes "
-                        "faster on a CPU without native bfloat16)")
+    d.add_argument("--dtype", metavar="auto|bfloat16|float32",
+                   help="when the workspace is created: the weights' dtype (default auto: bfloat16 on a CPU with "
+                        "native bfloat16, else float32, which decodes faster there)")
     d.set_defaults(func=_cmd_demo)

@@ -36,7 +36,7 @@ from workbench.agents.llm import LLMConfigError
 from workbench.cli_util import OneLineParser, fail, positive_float, positive_int, quiet_transformers
 from workbench.executor import ExecutorError, ExecutorSettings, make_evaluator
 from workbench.loop import Loop, LoopOptions, llm_config
-from workbench.workspace import Workspace, WorkspaceError, default_demo_path, init_demo
+from workbench.workspace import DTYPE_AUTO, Workspace, WorkspaceError, default_demo_path, init_demo, resolve_dtype
 
 EXIT_OK, EXIT_USAGE, EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_FAILED, EXIT_EXECUTOR = 0, 2, 3, 4, 5, 6
 T = TypeVar("T")
@@ -94,8 +94,11 @@ def run_auto(args: argparse.Namespace) -> int:
     try:
         path = Path(args.workspace) if args.workspace else default_demo_path()
         if not args.workspace and not (path / "specpilot.toml").exists():
-            _progress(f"creating the demo workspace at {path}")
-            init_demo(path)
+            dtype, note = resolve_dtype(DTYPE_AUTO)  # the CPU decides: float32 without native bfloat16
+            _progress(f"creating the demo workspace at {path} ({dtype})")
+            if note:
+                _progress(note)
+            init_demo(path, dtype=dtype)
         ws = Workspace(path)
     except WorkspaceError as e:
         return fail(str(e))

@@ -29,6 +29,7 @@ from workbench.workspace import (
     init_demo,
     init_llamacpp,
     init_target,
+    resolve_dtype,
 )
 
 EXIT_MISMATCH, EXIT_CRASH = 1, 3
@@ -117,7 +118,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     if args.engine not in (None, "torch", "llama.cpp"):
         return fail(f"init: --engine {args.engine}: choose torch (SpecPilot's decoder, the default) or llama.cpp")
     if args.dtype is not None and (args.what != "demo" or args.target is not None or args.engine == "llama.cpp"):
-        return fail(f"init: --dtype {args.dtype} goes with `specpilot init demo [PATH] --dtype bfloat16|float32`")
+        return fail(f"init: --dtype {args.dtype} goes with `specpilot init demo [PATH] --dtype auto|bfloat16|float32`")
     if args.engine == "llama.cpp":
         return _init_llamacpp(args)
     if args.deployment is not None or args.spec_type is not None or args.tokenizer is not None or args.with_source:
@@ -153,12 +154,13 @@ def _cmd_init(args: argparse.Namespace) -> int:
                     f"own model, `specpilot init --target DIR [--drafter DIR] [--prompts FILE] PATH`")
 
     try:
+        dtype, note = resolve_dtype(args.dtype)
         ws = init_demo(args.path, prompts=args.prompts or "code", name=args.name,
-                       batch_sizes=_batch_sizes(args.batch_sizes), dtype=args.dtype or "bfloat16")
+                       batch_sizes=_batch_sizes(args.batch_sizes), dtype=dtype)
     except _errors() as e:
         return fail(str(e))
     rc = _created(ws, "demo workspace", args.json)
-    hint = bf16_hint(ws.config.dtype)  # after what was made: the created line stays first
+    hint = note or bf16_hint(ws.config.dtype)  # after what was made: the created line stays first
     if hint:
         print(hint, file=sys.stderr)
     return rc
@@ -276,9 +278,9 @@ def add_parser(sub) -> None:
                         "optional \"id\", \"domain\") or a text file, one prompt per line (default: the demo's code "
                         "prompts, if the target uses the demo's tokenizer)")
     i.add_argument("--name", help="deployment name (default: demo, demo-prose, or the target folder's name)")
-    i.add_argument("--dtype", metavar="bfloat16|float32",
-                   help="demo: the weights' dtype of the system and stock (default bfloat16; float32 decodes faster "
-                        "on a CPU without native bfloat16, AMX-BF16 or AVX512-BF16)")
+    i.add_argument("--dtype", metavar="auto|bfloat16|float32",
+                   help="demo: the weights' dtype of the system and stock (default auto: bfloat16 on a CPU with "
+                        "native bfloat16, AMX-BF16 or AVX512-BF16; elsewhere float32, which decodes faster there)")
     i.add_argument("--batch-sizes", metavar="B,B,..",
                    help="the load the deployment serves (default 1): e.g. 1,8 makes the loop time and keep changes "
                         "at one request and at batches of 8 (written as load = {batch_sizes = [1, 8]})")

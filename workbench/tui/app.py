@@ -49,7 +49,7 @@ from workbench.harness import cancel_branch as kill_branch_systems
 from workbench.tui import data
 from workbench.tui.screens import ConfirmScreen, KeysScreen, LaunchScreen, TextInputScreen, TextViewScreen
 from workbench.tui.widgets import BranchesPane, ForcingPane, LogPane, MemoryPane, OverviewPane
-from workbench.workspace import Workspace, default_demo_path, init_demo
+from workbench.workspace import DTYPE_AUTO, Workspace, default_demo_path, init_demo, resolve_dtype
 
 TABS = (("overview", "Overview"), ("branches", "Branches"), ("forcing", "Forcing"), ("memory", "Memory"),
         ("log", "Log"))
@@ -296,8 +296,11 @@ class SpecPilotApp(App[int]):
 
         path = self.workspace_path
         if self.create_demo and not (path / "specpilot.toml").exists():
-            self.post_message(Opening(f"creating the demo workspace at {path} (first run) ..."))
-            ws = init_demo(path, **self.demo_options)
+            opts = {"dtype": DTYPE_AUTO, **self.demo_options}
+            opts["dtype"], note = resolve_dtype(opts["dtype"])  # the CPU decides: float32 without native bf16
+            why = f"{opts['dtype']}, no native bfloat16 on this CPU" if note else opts["dtype"]
+            self.post_message(Opening(f"creating the demo workspace at {path} ({why}; first run) ..."))
+            ws = init_demo(path, **opts)
         else:
             ws = Workspace(path)
         ws.deployment_id()
