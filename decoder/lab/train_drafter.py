@@ -633,13 +633,15 @@ def train_corpus_index(target_dir: Path, out_path: Path | None = None, answers: 
         # float32 elsewhere (2.2x faster than converted bf16 here). Either writes the target's own text; a near
         # tie decided the other way only changes what the drafter proposes, never what the target commits.
         gen_dtype = "float32" if native_bf16_cpu() is False else "bfloat16"
-        target = load_causal_lm(target_dir, "target", dtype=gen_dtype)
+        target = None  # loaded for the first missing shard: a rerun over finished shards never loads it
         shard, prefix_len, gen_len = 256, 128, 128
         n_shards = math.ceil(self_sequences / shard)
         plan = [(d, i) for d in domains for i in range(n_shards)]
         for d, i in tqdm(plan, desc="greedy continuations (shards)", file=sys.stderr, dynamic_ncols=True):
             path = work / f"self-{d}-p{prefix_len}-g{gen_len}-s{seed}-{i:03d}.npy"
             if not path.exists():
+                if target is None:
+                    target = load_causal_lm(target_dir, "target", dtype=gen_dtype)
                 n = min(shard, self_sequences - i * shard)
                 rng = np.random.default_rng([seed, 11, i, 0 if d == "code" else 1])
                 starts = rng.integers(0, len(domains[d]) - prefix_len - 1, size=n)
