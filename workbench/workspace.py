@@ -759,7 +759,7 @@ def resolve_dtype(dtype: str | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> t
     if chosen == "bfloat16":
         return chosen, None
     return chosen, ("note: float32: this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16 flag), where "
-                    "float32 decodes faster; --dtype bfloat16 makes a bfloat16 workspace")
+                    "float32 decodes faster; `specpilot init demo PATH --dtype bfloat16` makes a bfloat16 workspace")
 
 
 def bf16_hint(dtype: str) -> str | None:
