@@ -43,6 +43,8 @@ def runs(tmp) -> dict[str, subprocess.CompletedProcess]:
             "malformed-row": ["bench", "--prompts", str(bad2)],
             "different-tokenizers": ["bench", "--target", str(DEMO_DIR / "target"), "--drafter", str(other),
                                      "--prompts", "code"],
+            "auto-dtype": ["bench", "--prompts", "code", "--methods", "ar", "--limit", "1", "--max-new-tokens", "4",
+                           "--quiet", "--json"],
         }
     return run_many("workbench.cli", cases)
 
@@ -75,6 +77,16 @@ def test_malformed_prompt_file(runs):
 @needs_demo
 def test_different_tokenizers(runs):
     _one_error_line(runs["different-tokenizers"], "different tokenizers")
+
+
+@needs_demo
+def test_bench_dtype_defaults_to_the_cpus_choice(runs):
+    """No --dtype: float32 on a CPU without native bfloat16, else bfloat16; the report says which."""
+    from workbench.workspace import auto_dtype
+
+    r = runs["auto-dtype"]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["dtype"] == auto_dtype()
 
 
 def test_unknown_method(runs):

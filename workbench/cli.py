@@ -26,6 +26,7 @@ from workbench.cli_util import OneLineParser, check_out_file, fail, positive_int
 from workbench.demo_cli import add_parser as add_demo_parser
 from workbench.memory_cli import add_parser as add_memory_parser
 from workbench.w12_cli import add_parser as add_w12_parser
+from workbench.workspace import DTYPE_AUTO, auto_dtype
 from workbench.workspace_cli import add_parser as add_workspace_parsers
 
 EXIT_ENGINE = 3  # bench --peers: a peer engine failed mid-run
@@ -35,6 +36,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.drafter and not args.target:  # --deployment brings its own drafter; this one would be ignored
         return fail(f"--drafter {args.drafter} needs --target DIR (the target it drafts for); add --target, or "
                     f"drop --drafter to bench the {args.deployment} deployment")
+    if args.dtype == DTYPE_AUTO:  # the table's header and the report's "dtype" say which it chose
+        args.dtype = auto_dtype() if args.device == "cpu" else "bfloat16"
     why = check_out_file("--out", args.out) if args.out else None  # before minutes of measurement, not after
     if why:
         return fail(why)
@@ -428,7 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (kind, text) in SETTINGS_FLAGS.items():
         b.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     b.add_argument("--limit", type=positive_int, help="use only the first N prompts")
-    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    b.add_argument("--dtype", default=DTYPE_AUTO, choices=(DTYPE_AUTO, "bfloat16", "float32", "float16"),
+                   help="the models' dtype (default auto: on a CPU without native bfloat16, no AMX-BF16 or "
+                        "AVX512-BF16, float32, which is faster there and checked strictly; else bfloat16)")
     b.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     b.add_argument("--batch-sizes", help="batched AR vs batched SD at these batch sizes (e.g. 1,4,8,16), each "
                    "batching mechanism on and off, instead of the single-request methods")
