@@ -13,7 +13,16 @@ from decoder.generate import ar_generate, generate
 from decoder.mechanisms import REGISTRY
 from workbench.forcing import _force_batched
 from workbench.harness import SystemCrash, SystemProcess
-from workbench.measure import LOAD_FLOOR, MIN_BATCH_UNITS, LoadResult, PairResult, Prompt, paired_bench
+from workbench.measure import (
+    LOAD_FLOOR,
+    MIN_BATCH_UNITS,
+    LoadResult,
+    PairResult,
+    Prompt,
+    _epochs,
+    paired_bench,
+    warm_prompt,
+)
 from workbench.workspace import WorkspaceError, load_points
 
 # -- the schedule ----------------------------------------------------------------------------------
@@ -135,7 +144,7 @@ def test_generate_batch_returns_outputs_in_order_and_checks_their_shape(tmp_path
 
 
 def test_paired_bench_under_load_times_batches_and_checks_every_output(tmp_path):
-    prompts = [Prompt(f"p{i}", [i]) for i in range(3)]
+    prompts = [Prompt(f"p{i}", [i]) for i in range(6)]
     calls = []
 
     def check(pid, toks):
@@ -144,9 +153,75 @@ def test_paired_bench_under_load_times_batches_and_checks_every_output(tmp_path)
 
     with _echo(tmp_path) as a, _echo(tmp_path) as b:
         res = paired_bench(a, b, prompts, 3, min_passes=2, max_passes=2, batch=4, check_b=check)
-    # MIN_BATCH_UNITS units of 4 prompts a pass (prompts repeat): every output checked.
-    assert res.passes == 2 and len(calls) == 2 * MIN_BATCH_UNITS * 4 and set(calls) == {"p0", "p1", "p2"}
+    # MIN_BATCH_UNITS units of 4 prompts a pass (in epochs: a batch of 4 fits 6 prompts once): every output checked.
+    assert res.passes == 2 and len(calls) == 2 * MIN_BATCH_UNITS * 4 and set(calls) == {f"p{i}" for i in range(6)}
     assert res.a_tokens_per_s > 0 and not res.mismatched_prompts
+
+
+# An adversary's system, as a cache of answers would see it: a prompt this process answered before (in an
+# earlier request, the warm-up's included, or earlier in the same batch), or whose reverse it answered (the
+# warm-up prompt was the first prompt reversed: a system could precompute that prompt's answer while warming
+# up), gets a wrong answer, which the benchmark's check of every timed output then reports.
+RECORDER = r"""
+import json, sys
+seen = set()
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("op") == "quit":
+        break
+    n = req["max_new_tokens"]
+    outs = []
+    for p in req.get("batch") or [req["prompt_ids"]]:
+        outs.append([49] * n if tuple(p) in seen else [(p[0] + 1) % 50] * n)
+        seen.update((tuple(p), tuple(reversed(p))))
+    print(json.dumps({"id": req["id"], **({"outputs": outs} if "batch" in req else {"tokens": outs[0]})}), flush=True)
+"""
+
+
+def _recorder(tmp_path: Path, side: str) -> SystemProcess:
+    wt = tmp_path / f"wt-rec-{side}"
+    wt.mkdir(exist_ok=True)
+    (wt / "rec.py").write_text(RECORDER)
+    return SystemProcess(wt, [sys.executable, "-I", str(wt / "rec.py")])
+
+
+@pytest.mark.parametrize("count,batch", [(6, 4), (7, 1), (9, 4), (32, 8)])
+def test_no_process_is_timed_twice_on_a_prompt_and_no_batch_repeats_one(tmp_path, count, batch):
+    """With fewer prompts than a pass's batches need (6 prompts, 4 units of 4), a pass runs in epochs and both
+    sides start afresh between them; each batch holds distinct prompts; the warm-up is none of them."""
+    prompts = [Prompt(f"p{i}", [i, 40 + i, 7, 8, 9, 10, 11, 12]) for i in range(count)]
+    checked = []
+
+    def check(pid, toks):
+        checked.append(pid)
+        want = (int(pid[1:]) + 1) % 50
+        return None if toks == [want] * len(toks) else f"{pid}: the answer of a prompt the process had seen"
+
+    with _recorder(tmp_path, "a") as a, _recorder(tmp_path, "b") as b:
+        res = paired_bench(a, b, prompts, 3, min_passes=2, max_passes=2, batch=batch, check_b=check)
+    units = max(MIN_BATCH_UNITS, -(-count // batch)) if batch > 1 else count
+    assert res.passes == 2 and len(checked) == 2 * units * batch and not res.mismatched_prompts
+    assert set(checked) == {p.id for p in prompts}
+
+
+def test_epochs_time_each_prompt_about_equally_and_refuse_fewer_prompts_than_a_batch(tmp_path):
+    prompts = [Prompt(f"p{i}", [i]) for i in range(6)]
+    epochs = _epochs(prompts, 4)  # one batch of 4 fits 6 prompts: 4 epochs, the 2 left over go first next time
+    assert [len(e) for e in epochs] == [1] * MIN_BATCH_UNITS
+    counts = {p.id: 0 for p in prompts}
+    for e in epochs:
+        ids = [p.id for unit in e for p in unit]
+        assert len(ids) == len(set(ids)) == 4
+        for i in ids:
+            counts[i] += 1
+    assert sorted(counts.values()) == [2, 2, 3, 3, 3, 3]
+    one = _epochs([Prompt(f"p{i}", [i]) for i in range(32)], 8)
+    assert len(one) == 1 and len({p.id for unit in one[0] for p in unit}) == 32
+    with _echo(tmp_path) as a, _echo(tmp_path) as b, pytest.raises(ValueError, match="at least 8 distinct prompts"):
+        paired_bench(a, b, prompts, 3, min_passes=1, max_passes=1, batch=8)
+    warm = warm_prompt(prompts)
+    assert len(warm.ids) == 1 and warm.ids[0] in range(6)  # drawn from the prompts' tokens, as long as the first
 
 
 def test_load_result_aggregates_by_geometric_mean_and_names_the_worst_point():
@@ -214,6 +289,29 @@ def test_a_workspace_with_a_load_round_trips(tmp_path):
     assert "load = {batch_sizes = [1, 8]}" in path.read_text()
     assert WorkspaceConfig.load(path).batch_sizes == [1, 8]
     assert json.loads(json.dumps(cfg.batch_sizes)) == [1, 8]
+
+
+def test_the_demo_hides_enough_distinct_prompts_for_a_pass_at_b8_and_a_small_one_is_refused(tmp_path):
+    """The demo's hidden split holds its 6 held-out prompts plus the 26 timing prompts: a B = 8 pass times 32
+    distinct prompts, none visible and none repeated. A workspace with fewer prompts than its largest batch is
+    refused at init, in one line, and nothing is created."""
+    from decoder.models import DEMO_DIR
+    from workbench.cascade import timing_prompts
+    from workbench.workspace import init_demo
+
+    ws = init_demo(tmp_path / "demo", batch_sizes=[1, 8], dtype="float32")
+    hidden = [json.loads(ln) for ln in ws.hidden_prompts_path().read_text().splitlines()]
+    visible = [json.loads(ln) for ln in (ws.path / "prompts" / "visible.jsonl").read_text().splitlines()]
+    timing = [json.loads(ln) for ln in (DEMO_DIR / "prompts" / "code-timing.jsonl").read_text().splitlines()]
+    assert len(hidden) == 6 + len(timing) == MIN_BATCH_UNITS * 8 and len(visible) == 10
+    assert len({r["id"] for r in hidden + visible}) == 42
+    assert not {r["text"] for r in hidden} & {r["text"] for r in visible}
+    assert [p.id for p in timing_prompts(ws)] == [r["id"] for r in hidden]
+    assert len(_epochs(timing_prompts(ws), 8)) == 1  # one epoch a pass: one fresh process per side
+    with pytest.raises(WorkspaceError) as e:
+        init_demo(tmp_path / "small", batch_sizes=[1, 8], prompt_limit=4, dtype="float32")
+    assert "load batch size 8 needs at least 8 distinct prompts" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "small").exists()
 
 
 def test_serve_answers_a_batch_with_each_request_s_greedy_tokens(tmp_path, models):

@@ -62,11 +62,16 @@ def smoke_run(ws: Workspace, worktree: Path, label: str) -> tuple[bool, str]:
     return True, f"ok: {len(r.tokens)} tokens in {r.seconds:.2f} s on {prompts[0].id}"
 
 
+MIN_TIMING_PROMPTS = 4
+
+
 def timing_prompts(ws: Workspace) -> list:
-    """What the paired benchmark times: the hidden split, which agents never see and tuned against
-    (with the visible one too when the hidden split is small); the order is drawn per pass."""
+    """What the paired benchmark times: the hidden split, which agents never see and tuned against, with the
+    visible one too when the hidden split is small (under MIN_TIMING_PROMPTS, or under the load's largest batch:
+    a timed batch holds distinct prompts); the order is drawn per pass."""
     hidden = load_prompts(ws, "hidden")
-    return hidden if len(hidden) >= 4 else hidden + load_prompts(ws)
+    enough = max(MIN_TIMING_PROMPTS, *ws.config.batch_sizes)
+    return hidden if len(hidden) >= enough else hidden + load_prompts(ws)
 
 
 def bench_cpus(ws: Workspace) -> set[int] | None:

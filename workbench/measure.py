@@ -162,16 +162,17 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
                  fresh: bool = True) -> PairResult:
     """B against A on the same prompts, interleaved; stops when the ratio's CI is tight or the budget ends.
 
-    `fresh` (the default): both systems are restarted before every pass (`SystemProcess.restart`, untimed) and
+    `fresh` (the default): both systems are restarted before every epoch (`SystemProcess.restart`, untimed) and
     warmed on a prompt that is never timed (`warm_prompt`), so every timed request is a prompt the process has
-    not seen: a system cannot be credited for remembering an earlier pass's output (llama.cpp's ngram-mod keeps
-    its n-gram table across requests and drafts a repeated prompt's whole answer; a candidate could cache
-    answers on purpose). A real deployment's requests are distinct.
+    not seen: a system cannot be credited for remembering an earlier output (llama.cpp's ngram-mod keeps its
+    n-gram table across requests and drafts a repeated prompt's whole answer; a candidate could cache answers
+    on purpose, or answer a prompt repeated inside one batch once). A real deployment's requests are distinct.
 
-    `batch` > 1 times batches: each timed unit is `batch` prompts sent at once to the system's batched
+    `batch` > 1 times batches: each timed unit is `batch` distinct prompts sent at once to the system's batched
     engine (`SystemProcess.generate_batch`), as a server under that load receives them; at least
-    MIN_BATCH_UNITS units a pass (prompts repeat when there are fewer than that many x batch), half of them in
-    each order.
+    MIN_BATCH_UNITS units a pass, half of them in each order. A pass is one epoch (each prompt at most once)
+    when there are MIN_BATCH_UNITS x batch prompts or more; with fewer it takes several, and both sides start
+    afresh between them (`_epochs`). Fewer prompts than `batch` is a ValueError.
 
     Both sides run on `cpus` (default: the CPUs this process may use); a side found outside them
     after a timed request raises SystemCrash(kind="cheat"). `check_b(prompt_id, tokens)` judges every
@@ -184,46 +185,51 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
     a_out: dict[str, list[list[int]]] = {}
     b_out: dict[str, list[list[int]]] = {}
     t0 = time.perf_counter()
+    if batch > len({p.id for p in prompts}):
+        raise ValueError(f"a paired benchmark at batch {batch} needs at least {batch} distinct prompts, "
+                         f"{len({p.id for p in prompts})} given: a batch must not repeat a prompt")
     warm = [warm_prompt(prompts)] * batch
     with measurement_lock():
         for i in range(max_passes):
-            if i == 0 or fresh:
-                step(label, i, max_passes, "starting both systems afresh and warming them up" if fresh and i else
-                     "warming up")
-                for sp, conf in ((a, config_a), (b, config_b)):  # untimed: lazy initialisation on an untimed prompt
-                    if fresh and sp.served:  # it answered requests before: a new process, nothing remembered
-                        sp.restart()
-                    sp.pin(cpus)
-                    _run_unit(sp, warm, min(n, 8), conf)
             ta = tb = 0.0
             # A new order every pass, from the OS's randomness: neither side can predict which prompt comes
             # next or whether it goes first; half the pairs run A B, half B A, so drift cancels.
-            units = _units(prompts, batch)
-            flips = [j % 2 == 0 for j in range(len(units))]
+            epochs = _epochs(prompts, batch)
+            flips = [j % 2 == 0 for j in range(sum(len(e) for e in epochs))]
             _rng.shuffle(flips)
-            for unit, a_first in zip(units, flips, strict=True):
-                order = (a, b) if a_first else (b, a)
-                res = {}
-                for sp in order:
-                    idle = b if sp is a else a
-                    with idle.frozen():  # the other side cannot compute ahead or load the CPU meanwhile
-                        res[id(sp)] = _run_unit(sp, unit, n, config_a if sp is a else config_b)
-                    sp.check_pinned(cpus)
-                (outs_a, sec_a), (outs_b, sec_b) = res[id(a)], res[id(b)]
-                for p, ta_toks, tb_toks in zip(unit, outs_a, outs_b, strict=True):
-                    problem = check_b(p.id, tb_toks) if check_b is not None else None
-                    if problem is not None:
-                        raise TimedOutputWrong(problem if batch == 1 else f"{problem} (batch of {batch})")
-                    tok_a += len(ta_toks)
-                    tok_b += len(tb_toks)
-                    if ta_toks != tb_toks:
-                        mismatched.add(p.id)
-                    for seen, toks in ((a_out, ta_toks), (b_out, tb_toks)):
-                        outs = seen.setdefault(p.id, [])
-                        if toks not in outs:
-                            outs.append(list(toks))
-                ta += sec_a
-                tb += sec_b
+            flip = iter(flips)
+            for e, units in enumerate(epochs):
+                if fresh or (i == 0 and e == 0):  # a process never times a prompt it answered before
+                    step(label, i, max_passes, "starting both systems afresh and warming them up"
+                         if fresh and (i or e) else "warming up")
+                    for sp, conf in ((a, config_a), (b, config_b)):  # untimed: lazy initialisation, untimed prompt
+                        if fresh and sp.served:  # it answered requests before: a new process, nothing remembered
+                            sp.restart()
+                        sp.pin(cpus)
+                        _run_unit(sp, warm, min(n, 8), conf)
+                for unit in units:
+                    order = (a, b) if next(flip) else (b, a)
+                    res = {}
+                    for sp in order:
+                        idle = b if sp is a else a
+                        with idle.frozen():  # the other side cannot compute ahead or load the CPU meanwhile
+                            res[id(sp)] = _run_unit(sp, unit, n, config_a if sp is a else config_b)
+                        sp.check_pinned(cpus)
+                    (outs_a, sec_a), (outs_b, sec_b) = res[id(a)], res[id(b)]
+                    for p, ta_toks, tb_toks in zip(unit, outs_a, outs_b, strict=True):
+                        problem = check_b(p.id, tb_toks) if check_b is not None else None
+                        if problem is not None:
+                            raise TimedOutputWrong(problem if batch == 1 else f"{problem} (batch of {batch})")
+                        tok_a += len(ta_toks)
+                        tok_b += len(tb_toks)
+                        if ta_toks != tb_toks:
+                            mismatched.add(p.id)
+                        for seen, toks in ((a_out, ta_toks), (b_out, tb_toks)):
+                            outs = seen.setdefault(p.id, [])
+                            if toks not in outs:
+                                outs.append(list(toks))
+                    ta += sec_a
+                    tb += sec_b
             ta_all += ta
             tb_all += tb
             ratios.append(ta / tb if tb > 0 else math.inf)
@@ -239,21 +245,33 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
 
 
 def warm_prompt(prompts: list[Prompt]) -> Prompt:
-    """A prompt for warming a system that no timed request repeats: the first prompt's tokens reversed (same
-    length and vocabulary, another text, so its answer is another answer)."""
-    return Prompt("warm-up", list(reversed(prompts[0].ids)))
+    """A prompt for warming a system that says nothing about the timed ones: as long as the first, its tokens
+    drawn at random (the OS's randomness) from all of theirs. Not a function of a timed prompt (the first one
+    reversed was one: a system could undo it during its untimed warm-up and answer that prompt in no time)."""
+    pool = [t for p in prompts for t in p.ids]
+    return Prompt("warm-up", [_rng.choice(pool) for _ in prompts[0].ids])
 
 
-def _units(prompts: list[Prompt], batch: int) -> list[list[Prompt]]:
-    """One pass's timed units in a fresh random order: single prompts, or groups of `batch` (MIN_BATCH_UNITS at
-    least)."""
+def _epochs(prompts: list[Prompt], batch: int) -> list[list[list[Prompt]]]:
+    """One pass's timed units in a fresh random order, grouped into epochs in which no prompt repeats: single
+    prompts (one epoch, every prompt once), or groups of `batch` distinct prompts, at least MIN_BATCH_UNITS
+    units a pass. An epoch holds as many whole batches as the distinct prompts fill, the least-timed prompts
+    first, so every prompt is timed as often as any other, give or take one."""
+    unique = list({p.id: p for p in prompts}.values())
     if batch <= 1:
-        return [[p] for p in _rng.sample(list(prompts), len(prompts))]
-    count = max(MIN_BATCH_UNITS, math.ceil(len(prompts) / batch))
-    pool: list[Prompt] = []
-    while len(pool) < count * batch:
-        pool += _rng.sample(list(prompts), len(prompts))
-    return [pool[j * batch:(j + 1) * batch] for j in range(count)]
+        return [[[p] for p in _rng.sample(unique, len(unique))]]
+    count = max(MIN_BATCH_UNITS, math.ceil(len(unique) / batch))
+    per_epoch = len(unique) // batch
+    epochs: list[list[list[Prompt]]] = []
+    used = {p.id: 0 for p in unique}
+    while sum(len(e) for e in epochs) < count:
+        # The least-timed prompts first (ties in random order): every prompt is timed as often as any, +-1.
+        draw = sorted(_rng.sample(unique, len(unique)), key=lambda p: used[p.id])
+        take = min(per_epoch, count - sum(len(e) for e in epochs))
+        epochs.append([draw[j * batch:(j + 1) * batch] for j in range(take)])
+        for p in draw[:take * batch]:
+            used[p.id] += 1
+    return epochs
 
 
 def _run_unit(sp: SystemProcess, unit: list[Prompt], n: int, config: dict | None) -> tuple[list[list[int]], float]:

@@ -644,7 +644,7 @@ def _why(e: BaseException) -> str:
 
 DEMO_PROTECTED = ["specpilot.toml", "prompts/", "decoder/serve.py", ".gitignore"]
 BINARY_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib", ".o", ".a", ".exe")
-DEMO_HIDDEN = 6  # of the demo's 16 held-out code prompts, never shown to agents
+DEMO_HIDDEN = 6  # of the demo's 16 held-out code prompts, never shown to agents (with its timing prompts)
 HIDDEN_FRACTION = DEMO_HIDDEN / 16  # a user deployment's prompts are split like the demo's
 MIN_PROMPTS = 2  # at least one visible and one hidden forcing prompt
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # any other prompts file is plain text, one prompt per line
@@ -791,6 +791,10 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
             raise WorkspaceError(f"the demo models are missing ({DEMO_DIR / sub}); run `specpilot train demo` "
                                  f"or reinstall specpilot")
     rows = _read_jsonl(DEMO_DIR / "prompts" / f"{prompts}.jsonl")[:prompt_limit]
+    # The held-out timing prompts join the hidden split (all of it unless prompt_limit shrinks the demo, as tests
+    # do): a timed pass at B = 8 then holds 32 distinct prompts, none repeated in a process (workbench.measure).
+    timing = DEMO_DIR / "prompts" / f"{prompts}-timing.jsonl"
+    extra = _read_jsonl(timing) if prompt_limit is None and timing.exists() else []
     cfg = WorkspaceConfig(
         batch_sizes=load_points({"load": {"batch_sizes": batch_sizes or [1]}}, path),
         name=name, target=(DEMO_DIR / "target").resolve(), drafter=(DEMO_DIR / "drafter").resolve(),
@@ -801,7 +805,7 @@ def init_demo(path: str | Path | None = None, *, forcing_max_new_tokens: int = 6
         bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})})
     return _create(path, cfg, rows, hidden=hidden, stock=DecodeConfig(dtype=dtype),
                    readme=WORKSPACE_README.format(name=name),
-                   label="the demo system", what=f"demo workspace ({prompts} prompts)")
+                   label="the demo system", what=f"demo workspace ({prompts} prompts)", extra_hidden=extra)
 
 
 def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | None = None,
@@ -1129,9 +1133,16 @@ def _entry(*, drafter: bool) -> list[str]:
 
 
 def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig | LlamaCppConfig,
-            readme: str, label: str, what: str, carry: Callable[[Path], object] | None = None) -> Workspace:
+            readme: str, label: str, what: str, carry: Callable[[Path], object] | None = None,
+            extra_hidden: list[dict] | None = None) -> Workspace:
     """Build a workspace in a sibling folder and rename it into place: a failure (a crash, a full disk, a
-    read-only folder) leaves nothing behind, not even the parent folders it made."""
+    read-only folder) leaves nothing behind, not even the parent folders it made. `extra_hidden` rows join the
+    hidden split as they are (the demo's timing prompts)."""
+    distinct = len({r["id"] for r in [*rows, *(extra_hidden or [])]})
+    if max(cfg.batch_sizes) > distinct:
+        raise WorkspaceError(f"load batch size {max(cfg.batch_sizes)} needs at least {max(cfg.batch_sizes)} distinct "
+                             f"prompts (a timed batch never repeats one) and the workspace has {distinct}; "
+                             f"give more prompts or a smaller --batch-sizes")
     made = None  # the outermost folder this call creates above the workspace
     above = final.parent
     while not above.exists() and above != above.parent:
@@ -1141,7 +1152,8 @@ def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int,
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir()
-        _build(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=label, carry=carry)
+        _build(path, cfg, rows, hidden=hidden, stock=stock, readme=readme, label=label, carry=carry,
+               extra_hidden=extra_hidden)
         os.replace(path, final)  # onto an empty folder too: allowed above, and rename(2) replaces it
     except BaseException as e:
         shutil.rmtree(path, ignore_errors=True)
@@ -1154,17 +1166,20 @@ def _create(final: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int,
     ws.deployment_id()
     visible = len((final / "prompts" / "visible.jsonl").read_text().splitlines())
     ws.memory.record_event("workspace.init", f"{what} created at {final}",
-                           {"visible": visible, "hidden": len(rows) - visible, "stock": ws.stock_commit})
+                           {"visible": visible, "hidden": len(rows) + len(extra_hidden or []) - visible,
+                            "stock": ws.stock_commit})
     return ws
 
 
 def _build(path: Path, cfg: WorkspaceConfig, rows: list[dict], *, hidden: int, stock: DecodeConfig | LlamaCppConfig,
-           readme: str, label: str, carry: Callable[[Path], object] | None = None) -> None:
+           readme: str, label: str, carry: Callable[[Path], object] | None = None,
+           extra_hidden: list[dict] | None = None) -> None:
     """The workspace's files and its first commit (tag `stock`) in `path`, an empty folder; `carry(path)`
     adds more of stock's files (an engine's source)."""
     _copy_package(Path(decoder.__file__).parent, path / "decoder")
     _copy_package(Path(kernels.__file__).parent, path / "kernels")
     visible, hidden_rows = _split_prompts(rows, hidden)
+    hidden_rows += extra_hidden or []
     (path / "prompts").mkdir()
     (path / "prompts" / "visible.jsonl").write_text("".join(json.dumps(r) + "\n" for r in visible))
     (path / "specpilot.toml").write_text(cfg.to_toml())

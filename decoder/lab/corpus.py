@@ -122,23 +122,72 @@ def make_prompt(text: str, target_chars: int = 1000, start_fraction: float = 0.2
     return "".join(out)
 
 
+PROMPT_CHARS = {"code": 900, "prose": 700}
+TIMING_PER_SET = 26  # with the demo's 6 hidden prompts, 32 = MIN_BATCH_UNITS x 8: one B = 8 pass times each once
+TIMING_GAP_CHARS = 600  # a second prompt from a document starts this far past the end of its first
+
+
+def _held_out(domain: str, docs: list[Document]) -> list[Document]:
+    """The domain's held-out documents long enough for a prompt, in a fixed order spread across the set."""
+    held = [d for d in docs if split_of(d.id, domain) == "heldout" and len(d.text) >= 1200]
+    held.sort(key=lambda d: hashlib.sha256(d.id.encode()).hexdigest())
+    return held
+
+
+def _first_prompts(domain: str, held: list[Document], per_set: int) -> list[dict]:
+    rows = []
+    for d in held:
+        prompt = make_prompt(d.text, target_chars=PROMPT_CHARS[domain])
+        if len(prompt) >= 400:
+            rows.append({"id": d.id, "text": prompt})
+    return rows[:per_set] if per_set else rows
+
+
 def write_prompt_sets(out_dir: Path, per_set: int = 16) -> dict[str, Path]:
     """Write `code.jsonl` and `prose.jsonl` from held-out documents (never trained on)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for domain, docs in (("code", code_documents()), ("prose", prose_documents())):
-        held = [d for d in docs if split_of(d.id, domain) == "heldout" and len(d.text) >= 1200]
-        # Spread picks across the held-out set deterministically.
-        held.sort(key=lambda d: hashlib.sha256(d.id.encode()).hexdigest())
-        rows = []
-        for d in held:
-            prompt = make_prompt(d.text, target_chars=900 if domain == "code" else 700)
-            if len(prompt) < 400:
-                continue
-            rows.append({"id": d.id, "text": prompt})
-            if len(rows) == per_set:
-                break
+        rows = _first_prompts(domain, _held_out(domain, docs), per_set)
         path = out_dir / f"{domain}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[domain] = path
+    return paths
+
+
+def write_timing_sets(out_dir: Path, per_set: int = 16, count: int = TIMING_PER_SET) -> dict[str, Path]:
+    """Write `code-timing.jsonl` and `prose-timing.jsonl`: `count` more held-out prompts per domain, none in the
+    prompt sets of `write_prompt_sets(per_set)`, that a demo workspace adds to its hidden split so a timed pass
+    under load (several batches) never repeats a prompt. First the held-out documents past the prompt sets',
+    then second (third) prompts cut from every held-out document, TIMING_GAP_CHARS past the end of the one
+    before (whose continuation never reappears as a prompt), ids `<document>@2` (`@3`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for domain, docs in (("code", code_documents()), ("prose", prose_documents())):
+        held = _held_out(domain, docs)
+        firsts = _first_prompts(domain, held, 0)
+        rows = firsts[per_set:]
+        starts = {d.id: 0 for d in held}
+        for k in (1, 2, 3):  # the k-th prompt of each document, until there are `count`
+            if k == 1:
+                cuts = [(d, d.text) for d in held]
+            else:
+                cuts = []
+                for d in held:
+                    rest = d.text[starts[d.id] + TIMING_GAP_CHARS:]
+                    rest = rest[rest.find("\n") + 1:] if "\n" in rest else ""  # from a line boundary
+                    cuts.append((d, rest))
+            for d, text in cuts:
+                prompt = make_prompt(text, target_chars=PROMPT_CHARS[domain], start_fraction=0.2 if k == 1 else 0.0)
+                at = d.text.find(prompt, starts[d.id]) if prompt else -1
+                if at < 0:
+                    starts[d.id] = len(d.text)
+                    continue
+                starts[d.id] = at + len(prompt)
+                if k > 1 and len(prompt) >= 400 and len(d.text) - starts[d.id] >= 200:  # room for a continuation
+                    rows.append({"id": f"{d.id}@{k}", "text": prompt})
+        rows = rows[:count]
+        path = out_dir / f"{domain}-timing.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths[domain] = path
     return paths

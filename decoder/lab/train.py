@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from decoder.lab.corpus import Document, all_documents, split_of, write_prompt_sets
+from decoder.lab.corpus import Document, all_documents, split_of, write_prompt_sets, write_timing_sets
 
 EOS = "<|endoftext|>"
 UL_STEPS, UL_LR, UL_WEIGHT = 400, 3e-4, 2.0
@@ -372,6 +372,7 @@ def train_demo(out_root: Path, work_dir: Path, recipe: DemoRecipe | None = None,
     out_root.mkdir(parents=True, exist_ok=True)
     docs = all_documents()
     write_prompt_sets(out_root / "prompts")
+    write_timing_sets(out_root / "prompts")  # more held-out prompts for the demo's hidden split (timing)
     tok_dir = out_root / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         print("[tokenizer] training byte-level BPE", file=sys.stderr)
