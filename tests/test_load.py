@@ -314,6 +314,23 @@ def test_the_demo_hides_enough_distinct_prompts_for_a_pass_at_b8_and_a_small_one
     assert not (tmp_path / "small").exists()
 
 
+def test_the_loop_refuses_a_load_batch_larger_than_its_prompts_in_one_line(tmp_path, capsys):
+    """A workspace edited after init to a batch its prompts cannot fill: `specpilot-tui --auto` says so in one
+    line (exit 2) before measuring anything."""
+    from workbench.tui_entry import main as tui_main
+    from workbench.workspace import init_demo
+
+    ws = init_demo(tmp_path / "demo", forcing_max_new_tokens=8, prompt_limit=4, hidden=1, dtype="float32")
+    ws.close()
+    toml = ws.path / "specpilot.toml"
+    toml.write_text(toml.read_text().replace("load = {batch_sizes = [1]}", "load = {batch_sizes = [1, 8]}"))
+    rc = tui_main(["--auto", "--workspace", str(ws.path), "--rounds", "1", "--no-global-memory"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ") and len([ln for ln in err if ln.startswith("error")]) == 1
+    assert "load batch size 8 needs at least 8 distinct prompts and the workspace has 4" in err[-1]
+    assert not (ws.path / ".specpilot" / "stock").exists() or not any((ws.path / ".specpilot" / "stock").iterdir())
+
+
 def test_serve_answers_a_batch_with_each_request_s_greedy_tokens(tmp_path, models):
     """The system's batched request: fp32, every output token-identical to that prompt's single-request AR,
     under stock SD, a schedule and AR; a bad batch is a one-line error and the server keeps serving."""

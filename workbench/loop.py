@@ -38,7 +38,7 @@ from workbench.agents.base import Agent, AgentContext, AgentResult, Direction, S
 from workbench.agents.kernel import applicable as applicable_kernels
 from workbench.agents.llm import LLMAgent, LLMConfig, LLMConfigError
 from workbench.agents.tuner import TunerAgent
-from workbench.cascade import smoke_run
+from workbench.cascade import smoke_run, timing_prompts
 from workbench.costing import ceiling_for, commit_gaps, hardware_profile, plausibility_ceiling, speedup_over_ar
 from workbench.executor import LocalEvaluator
 from workbench.forcing import stock_reference
@@ -522,6 +522,10 @@ class Loop:
     # -- the whole loop --------------------------------------------------------------------------------
 
     def run(self) -> dict:
+        need, have = max(self.ws.config.batch_sizes), len({p.id for p in timing_prompts(self.ws)})
+        if need > have:  # a timed batch never repeats a prompt (workbench.measure): say so before any work
+            raise WorkspaceError(f"{self.ws.path / 'specpilot.toml'}: load batch size {need} needs at least {need} "
+                                 f"distinct prompts and the workspace has {have}; lower load batch_sizes")
         self._ensure_refs()
         self.say(f"loop on {self.ws.config.name}: {self.opts.rounds} rounds x {self.opts.agents} {self.opts.agent} "
                  f"agents, budget {self.opts.budget_minutes:g} min")
