@@ -220,8 +220,9 @@ def test_epochs_time_each_prompt_about_equally_and_refuse_fewer_prompts_than_a_b
     assert len(one) == 1 and len({p.id for unit in one[0] for p in unit}) == 32
     with _echo(tmp_path) as a, _echo(tmp_path) as b, pytest.raises(ValueError, match="at least 8 distinct prompts"):
         paired_bench(a, b, prompts, 3, min_passes=1, max_passes=1, batch=8)
-    warm = warm_prompt(prompts)
-    assert len(warm.ids) == 1 and warm.ids[0] in range(6)  # drawn from the prompts' tokens, as long as the first
+    warm = warm_prompt(prompts)  # drawn from the prompts' tokens, as long as the first unless it is one of them
+    assert set(warm.ids) <= set(range(6)) and len(warm.ids) == 2 and warm.ids not in [p.ids for p in prompts]
+    assert all(warm_prompt([Prompt("a", [3, 4]), Prompt("b", [4, 3])]).ids not in ([3, 4], [4, 3]) for _ in range(50))
 
 
 def test_load_result_aggregates_by_geometric_mean_and_names_the_worst_point():

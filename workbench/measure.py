@@ -245,11 +245,16 @@ def paired_bench(a: SystemProcess, b: SystemProcess, prompts: list[Prompt], n: i
 
 
 def warm_prompt(prompts: list[Prompt]) -> Prompt:
-    """A prompt for warming a system that says nothing about the timed ones: as long as the first, its tokens
-    drawn at random (the OS's randomness) from all of theirs. Not a function of a timed prompt (the first one
-    reversed was one: a system could undo it during its untimed warm-up and answer that prompt in no time)."""
+    """A prompt for warming a system that says nothing about the timed ones: as long as the first (a token
+    longer while it equals one of them), its tokens drawn at random (the OS's randomness) from all of theirs.
+    Not a function of a timed prompt (the first one reversed was one: a system could undo it during its
+    untimed warm-up and answer that prompt in no time)."""
     pool = [t for p in prompts for t in p.ids]
-    return Prompt("warm-up", [_rng.choice(pool) for _ in prompts[0].ids])
+    timed = {tuple(p.ids) for p in prompts}
+    ids = [_rng.choice(pool) for _ in prompts[0].ids]
+    while tuple(ids) in timed:  # never one of them (likely only for prompts of a token or two)
+        ids.append(_rng.choice(pool))
+    return Prompt("warm-up", ids)
 
 
 def _epochs(prompts: list[Prompt], batch: int) -> list[list[list[Prompt]]]:
