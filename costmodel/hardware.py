@@ -119,6 +119,16 @@ def profile_path(name: str) -> Path:
     return data_dir() / "hardware" / f"{name}.json"
 
 
+PROFILE_DTYPES = ("bfloat16", "float32")  # what `measure_cpu_local` times the model's forwards in
+
+
+def local_profile_path(dtype: str) -> Path:
+    """Where this machine's profile measured with the model in `dtype` is kept: `cpu-local.json` for bfloat16
+    (as always), `cpu-local-float32.json` for float32. A float32 workspace fitted to bfloat16 forwards would
+    rank its gaps on the wrong costs (on a CPU without native bfloat16 every bf16 matmul is converted)."""
+    return profile_path(LOCAL if dtype == "bfloat16" else f"{LOCAL}-{dtype}")
+
+
 def save_profile(profile: HardwareProfile, path: Path | str | None = None) -> Path:
     """Write `profile` as JSON (default: its place in the data dir); return the path."""
     path = Path(path) if path is not None else profile_path(profile.name)

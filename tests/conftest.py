@@ -132,20 +132,20 @@ def _session_data_dir(tmp_path_factory):
 def _private_data_dir(monkeypatch, tmp_path_factory, _session_data_dir):
     """No test writes to the user's real data directory (global memory, hardware profiles, workspaces).
 
-    This machine's measured profile (`hardware/cpu-local.json`, saved only when measured quietly) carries from
-    one test's data directory to the next on the same worker, as it carries from one run to the next for a user:
-    a loop test then reads it instead of measuring the machine again (9-18 s each)."""
+    This machine's measured profiles (`hardware/cpu-local.json`, `cpu-local-float32.json`: one per dtype, saved
+    only when measured quietly) carry from one test's data directory to the next on the same worker, as they
+    carry from one run to the next for a user: a loop test then reads one instead of measuring the machine
+    again (9-18 s each)."""
     session_dir, users_engines = _session_data_dir
     data = tmp_path_factory.mktemp("specpilot-data")
-    saved = session_dir / "hardware" / "cpu-local.json"
-    if saved.is_file():
-        (data / "hardware").mkdir()
-        shutil.copyfile(saved, data / "hardware" / saved.name)
+    saved = session_dir / "hardware"
+    if saved.is_dir():
+        shutil.copytree(saved, data / "hardware")
     monkeypatch.setenv("SPECPILOT_DATA_DIR", str(data))
     if users_engines is None:
         monkeypatch.delenv("SPECPILOT_ENGINES_DIR")
     yield
-    measured = data / "hardware" / saved.name
-    if not saved.is_file() and measured.is_file():
-        saved.parent.mkdir(exist_ok=True)
-        shutil.copyfile(measured, saved)
+    for measured in (data / "hardware").glob("cpu-local*.json"):
+        if not (saved / measured.name).is_file():
+            saved.mkdir(exist_ok=True)
+            shutil.copyfile(measured, saved / measured.name)

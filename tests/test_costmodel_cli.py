@@ -244,3 +244,45 @@ def test_a_repeated_profile_keeps_the_quietest_run_with_its_evidence(tmp_path):
     times = [r["forward_ms"] for r in runs]
     assert hw.measured["tiny_forward_ms"]["4_layers"] == pytest.approx(min(times), abs=1e-3)
     assert profile_spread(hw) == pytest.approx((max(times) - min(times)) / min(times), abs=1e-3)
+
+
+def test_the_loop_s_profile_of_this_machine_is_kept_per_dtype(tmp_path):
+    """A float32 workspace reads the profile measured with float32 forwards (`cpu-local-float32.json`), a bfloat16
+    one `cpu-local.json`: neither is fitted to the other's forwards. (Stored profiles stand in for two quiet
+    measurements here; the measuring itself is the slow test below.)"""
+    from dataclasses import replace
+
+    from costmodel.hardware import LOCAL, local_profile_path
+    from workbench.costing import hardware_profile
+    from workbench.workspace import init_demo
+
+    for dtype, bw in (("bfloat16", 11.0), ("float32", 22.0)):
+        save_profile(replace(DATASHEETS["h100-sxm"], name=LOCAL, mem_bandwidth_GBps=bw,
+                             measured={"dtype": dtype, "spread": 0.01}), local_profile_path(dtype))
+    said: list[str] = []
+    for dtype, bw in (("bfloat16", 11.0), ("float32", 22.0)):
+        ws = init_demo(tmp_path / dtype, prompt_limit=2, hidden=1, dtype=dtype)
+        hw = hardware_profile(ws, said.append)
+        ws.close()
+        assert hw.name == LOCAL and hw.mem_bandwidth_GBps == bw and hw.measured["dtype"] == dtype
+    assert not said  # nothing measured: each dtype had its own quiet profile
+    assert local_profile_path("bfloat16").name == "cpu-local.json"
+
+
+@pytest.mark.slow
+def test_a_float32_workspace_measures_its_own_profile_beside_a_bfloat16_one(tmp_path):
+    from dataclasses import replace
+
+    from costmodel.hardware import LOCAL, local_profile_path
+    from workbench.costing import hardware_profile
+    from workbench.workspace import init_demo
+
+    bf16 = replace(DATASHEETS["h100-sxm"], name=LOCAL, measured={"dtype": "bfloat16", "spread": 0.01})
+    save_profile(bf16, local_profile_path("bfloat16"))
+    local_profile_path("float32").unlink(missing_ok=True)
+    said: list[str] = []
+    ws = init_demo(tmp_path / "f32", prompt_limit=2, hidden=1, dtype="float32")
+    hw = hardware_profile(ws, said.append)
+    ws.close()
+    assert hw.measured["dtype"] == "float32" and said and "float32" in said[0]
+    assert load_profile(local_profile_path("bfloat16")).mem_bandwidth_GBps == bf16.mem_bandwidth_GBps

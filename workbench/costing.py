@@ -17,9 +17,12 @@ from costmodel.gaps import measured_gaps
 from costmodel.hardware import (
     LOCAL,
     MAX_PROFILE_SPREAD,
+    PROFILE_DTYPES,
     HardwareError,
     HardwareProfile,
     get_profile,
+    load_profile,
+    local_profile_path,
     profile_spread,
     save_profile,
 )
@@ -145,32 +148,32 @@ def _memory_bandwidth() -> tuple[float, str]:
 
 def hardware_profile(ws: Workspace, say: Say) -> HardwareProfile | WidthProfile:
     """The deployment's hardware profile. This machine's (`cpu-local`) is measured (3 runs, the quietest
-    kept) when it never was, or was measured once or on a loaded machine (runs differing by more than
-    MAX_PROFILE_SPREAD). Only a profile within that spread is saved; after two wide tries the quietest run
-    serves, and the ceiling's announcement says it is unreliable. A llama.cpp workspace's is its width
-    profile (`width_profile`)."""
+    kept) with the model in the workspace's dtype, and kept per dtype (`local_profile_path`), when it never
+    was, or was measured once or on a loaded machine (runs differing by more than MAX_PROFILE_SPREAD). Only a
+    profile within that spread is saved; after two wide tries the quietest run serves, and the ceiling's
+    announcement says it is unreliable. A llama.cpp workspace's is its width profile (`width_profile`)."""
     if ws.config.engine == "llama.cpp":
         prof = width_profile(ws, say)
         kernel_profile(ws, say)
         return prof
     from decoder.lab.hardware import measure_cpu_local_repeated  # torch: only when a measurement is due
 
-    try:
-        hw = get_profile(ws.config.hardware)
-    except HardwareError:
-        if ws.config.hardware != LOCAL:
-            raise
-        hw = None
-    if hw is not None and (hw.name != LOCAL or (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD):
+    dtype = ws.config.dtype if ws.config.dtype in PROFILE_DTYPES else "bfloat16"
+    stored = local_profile_path(dtype)
+    if ws.config.hardware != LOCAL:
+        return get_profile(ws.config.hardware)
+    hw = load_profile(stored) if stored.is_file() else None
+    if hw is not None and hw.measured.get("dtype", "bfloat16") == dtype \
+            and (profile_spread(hw) or 9.9) <= MAX_PROFILE_SPREAD:
         return hw
     runs = []
     for attempt in (1, 2):
         say(f"measuring this machine for the cost model ({'again: ' if attempt > 1 else ''}3 runs, the quietest "
-            f"kept)")
-        runs.append(measure_cpu_local_repeated(ws.config.target, seconds_budget=9.0,
+            f"kept, {dtype})")
+        runs.append(measure_cpu_local_repeated(ws.config.target, seconds_budget=9.0, dtype=dtype,
                                                threads=ws.config.limits.get("threads")))  # as systems run
         if (profile_spread(runs[-1]) or 0.0) <= MAX_PROFILE_SPREAD:
-            save_profile(runs[-1])
+            save_profile(runs[-1], stored)
             break
     return min(runs, key=lambda p: (profile_spread(p) or 0.0))
 
