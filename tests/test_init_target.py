@@ -190,7 +190,7 @@ def test_a_bad_drafter_through_the_cli_is_one_line_and_leaves_nothing(cli):
     "drafter-missing", "drafter-other-tokenizer", "drafter-wide-vocab",
     "prompts-missing", "prompts-not-utf8", "prompts-one", "prompts-bad-json", "prompts-duplicate-id",
     "path-is-a-file", "path-under-a-file", "path-not-empty", "bad-name", "no-prompts-other-tokenizer",
-    "drafter-without-target", "target-without-path", "target-two-paths"])
+    "drafter-without-target", "target-without-path", "target-two-paths", "batch-over-prompts"])
 def test_bad_input(m, tmp_path, capsys, case):
     ws = tmp_path / "ws"
     t, p, nope = ["--target", str(m.target)], ["--prompts", str(m.jsonl)], str(tmp_path / "nope")
@@ -214,6 +214,8 @@ def test_bad_input(m, tmp_path, capsys, case):
         "drafter-without-target": (["--drafter", str(m.drafter), str(ws)], ["--target"]),
         "target-without-path": ([*t, *p], ["PATH"]),
         "target-two-paths": ([*t, *p, str(ws), str(tmp_path / "other")], ["exactly one PATH"]),
+        "batch-over-prompts": ([*t, *p, "--batch-sizes", "1,8", str(ws)],
+                               ["load batch size 8 needs at least 8 distinct prompts", "has 4", "--batch-sizes"]),
     }[case]
     before = _listing(tmp_path)
     rc, out, err = _init(capsys, *args)
@@ -229,6 +231,11 @@ def test_without_prompts_the_demo_tokenizer_gets_the_demo_prompts(m, tmp_path):
     hidden = ws.hidden_prompts_path().read_text().splitlines()
     assert (len(visible), len(hidden)) == (len(demo) - 6, 6)  # split like the demo workspace
     assert ws.config.name == "target" and ws.config.drafter is None
+    ws.close()
+    loaded = init_target(tmp_path / "ws8", m.target, batch_sizes=[1, 8])  # a timed batch of 8: 8 hidden prompts
+    hidden = loaded.hidden_prompts_path().read_text().splitlines()
+    assert len(hidden) == 8 and len((loaded.path / "prompts" / "visible.jsonl").read_text().splitlines()) == 8
+    loaded.close()
 
 
 @pytest.mark.skipif(not ROOT, reason="as root, the sandbox runs candidates as another uid")

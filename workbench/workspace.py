@@ -860,7 +860,9 @@ def init_target(path: str | Path, target: str | Path, *, drafter: str | Path | N
         limits={**_default_limits(target, drafter), **(limits or {})},
         bench={"noise_pairs": NOISE_PAIRS, "noise_margin": NOISE_MARGIN, **(bench or {})})
     stock = DecodeConfig(drafter="draft-model" if drafter is not None else "ngram", lean_forward=False)
-    hidden = max(1, min(len(rows) - 1, round(len(rows) * HIDDEN_FRACTION)))
+    # At least the largest batch hidden where the prompts allow: a timed batch then holds hidden prompts only
+    # (with fewer, the visible ones, which a candidate can see, fill it: cascade.timing_prompts).
+    hidden = max(1, min(len(rows) - 1, max(round(len(rows) * HIDDEN_FRACTION), max(cfg.batch_sizes))))
     readme = WORKSPACE_README.format(name=name) + TARGET_README.format(
         target=target, drafter=f"`{drafter}`" if drafter else "none (stock drafts with n-grams: prompt lookup)",
         visible=len(rows) - hidden, hidden=hidden, source=f"`{source}`", stock_drafter=stock.drafter)
