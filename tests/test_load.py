@@ -16,6 +16,7 @@ from workbench.harness import SystemCrash, SystemProcess
 from workbench.measure import (
     LOAD_FLOOR,
     MIN_BATCH_UNITS,
+    PASS_PROMPTS,
     LoadResult,
     PairResult,
     Prompt,
@@ -186,7 +187,7 @@ def _recorder(tmp_path: Path, side: str) -> SystemProcess:
     return SystemProcess(wt, [sys.executable, "-I", str(wt / "rec.py")])
 
 
-@pytest.mark.parametrize("count,batch", [(6, 4), (7, 1), (9, 4), (32, 8)])
+@pytest.mark.parametrize("count,batch", [(6, 4), (7, 1), (20, 1), (9, 4), (32, 8), (40, 2)])
 def test_no_process_is_timed_twice_on_a_prompt_and_no_batch_repeats_one(tmp_path, count, batch):
     """With fewer prompts than a pass's batches need (6 prompts, 4 units of 4), a pass runs in epochs and both
     sides start afresh between them; each batch holds distinct prompts; the warm-up is none of them."""
@@ -200,9 +201,10 @@ def test_no_process_is_timed_twice_on_a_prompt_and_no_batch_repeats_one(tmp_path
 
     with _recorder(tmp_path, "a") as a, _recorder(tmp_path, "b") as b:
         res = paired_bench(a, b, prompts, 3, min_passes=2, max_passes=2, batch=batch, check_b=check)
-    units = max(MIN_BATCH_UNITS, -(-count // batch)) if batch > 1 else count
+    use = min(count, max(PASS_PROMPTS, MIN_BATCH_UNITS * batch))  # the prompts a pass times
+    units = max(MIN_BATCH_UNITS, -(-use // batch)) if batch > 1 else use
     assert res.passes == 2 and len(checked) == 2 * units * batch and not res.mismatched_prompts
-    assert set(checked) == {p.id for p in prompts}
+    assert set(checked) == {p.id for p in prompts[:max(PASS_PROMPTS, MIN_BATCH_UNITS * batch)]}
 
 
 def test_epochs_time_each_prompt_about_equally_and_refuse_fewer_prompts_than_a_batch(tmp_path):
@@ -216,8 +218,10 @@ def test_epochs_time_each_prompt_about_equally_and_refuse_fewer_prompts_than_a_b
         for i in ids:
             counts[i] += 1
     assert sorted(counts.values()) == [2, 2, 3, 3, 3, 3]
-    one = _epochs([Prompt(f"p{i}", [i]) for i in range(32)], 8)
-    assert len(one) == 1 and len({p.id for unit in one[0] for p in unit}) == 32
+    one = _epochs([Prompt(f"p{i}", [i]) for i in range(40)], 8)  # a pass at B = 8: the first 32, each once
+    assert len(one) == 1 and {p.id for unit in one[0] for p in unit} == {f"p{i}" for i in range(32)}
+    single = _epochs([Prompt(f"p{i}", [i]) for i in range(40)], 1)  # at one request: the first PASS_PROMPTS
+    assert len(single) == 1 and sorted(int(u[0].id[1:]) for u in single[0]) == list(range(PASS_PROMPTS))
     with _echo(tmp_path) as a, _echo(tmp_path) as b, pytest.raises(ValueError, match="at least 8 distinct prompts"):
         paired_bench(a, b, prompts, 3, min_passes=1, max_passes=1, batch=8)
     warm = warm_prompt(prompts)  # drawn from the prompts' tokens, as long as the first unless it is one of them
