@@ -527,7 +527,9 @@ class BatchEngine:
         drafts: dict[int, Draft] = {}
         if self.per_request:  # each request's own proposer, batched per class; a tree's size is its node count
             by_class: dict[type, list[int]] = {}
+            trees_on = not cfg.tree_max_live or len(live) <= cfg.tree_max_live  # mechanism load-tree
             for i in live:
+                slots[i].proposer.trees(trees_on)
                 if k_of[i] > 0:
                     by_class.setdefault(type(slots[i].proposer), []).append(i)
             for cls, idx in by_class.items():

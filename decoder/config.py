@@ -284,6 +284,10 @@ class DecodeConfig(ConfigTable):
     # CORPUS_BRANCH_LEN tokens: the datastore's continuation under a shorter context where it differs from the
     # chain's token, then the corpus's token after it; verified in the same forward (0 = a chain).
     corpus_tree_alts: int = 0
+    # Mechanism load-tree: the corpus or MTP tree only in steps over at most tree_max_live live requests; above, the
+    # same drafter's chain (0 = a tree at every load). At B = 1 a tree's extra rows are nearly free on this CPU; in a
+    # batch of 8 they cost (session 31's loop: a corpus tree 1.60x at B = 1 and 0.96x at B = 8 over its chain).
+    tree_max_live: int = 0
     route_code: str = "mtp"  # the demo's measured best for both domains (README: feature drafters)
     route_prose: str = "mtp"
     dtype: str = "bfloat16"
@@ -397,6 +401,11 @@ class DecodeConfig(ConfigTable):
         if self.corpus_tree_alts and (self.temperature != 0 or self.cuda_graphs or not self.lean_forward):
             raise bad("corpus_tree_alts", "a tree verifies greedily on the eager lean forward: set temperature = 0, "
                                           "cuda_graphs = false and lean_forward = true, or use 0")
+        if not 0 <= self.tree_max_live <= 4096:
+            raise bad("tree_max_live", "use 0 (a tree at every load) or 1 to 4096 live requests")
+        if self.tree_max_live and not (self.corpus_tree_alts or self.mtp_tree_alts):
+            raise bad("tree_max_live", "it switches the corpus or MTP tree to a chain above that load; set "
+                                       "corpus_tree_alts or mtp_tree_alts, or use 0")
         for key in ("route_code", "route_prose"):
             if getattr(self, key) not in ROUTABLE:
                 raise bad(key, f"choose one of {', '.join(ROUTABLE)}")

@@ -160,8 +160,11 @@ class CorpusDrafter(NgramDrafter):
                  device: torch.device | str = "cpu", tree_alts: int = 0) -> None:
         super().__init__(ngram_max, max(ngram_min, 2), device)  # a one-token prompt match loses to the corpus
         self.corpus = index
-        self.tree_alts = tree_alts
+        self.tree_alts = self._tree_alts = tree_alts
         self._chain = 0  # the last tree draft's chain length: nodes from here on are branch nodes
+
+    def trees(self, on: bool) -> None:
+        self.tree_alts = self._tree_alts if on else 0
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         proposal = super().lookup(tokens, k)

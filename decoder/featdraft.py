@@ -350,7 +350,7 @@ class MTPState(FeatureState):
                  vocab_ids: torch.Tensor | None = None, alts: int = 0) -> None:
         self.m, self.c = model, model.c
         # Mechanism mtp-tree: each head's next `alts` tokens hang beside its top-1 as leaves (a comb tree).
-        self.alts = alts
+        self.alts = self._alts = alts
         self.embed = embed
         # A pruned head (draft_vocab): `lm_head` holds only the frequent sub-vocabulary's rows, `vocab_ids`
         # their token ids (the drafted index maps back through it).
@@ -362,6 +362,9 @@ class MTPState(FeatureState):
 
     def clear(self) -> None:
         self.h = None
+
+    def trees(self, on: bool) -> None:
+        self.alts = self._alts if on else 0
 
     def extend(self, feats: torch.Tensor) -> None:
         self.h = feats[-1]  # [D]: the last accepted position's final hidden state

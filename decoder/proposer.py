@@ -69,5 +69,9 @@ class Proposer:
         overrides this (MTP heads); the default asks each in turn."""
         return [pr.propose(t, k) for pr, t, k in zip(proposers, tokens, ks, strict=True)]
 
+    def trees(self, on: bool) -> None:
+        """Mechanism load-tree: chains from now on (`on` = False), or the configured trees again. A proposer
+        whose drafts are never trees, or whose tree cannot fall back to a chain, ignores it."""
+
     def accepted(self, tokens: list[int], verdict: Verdict) -> None:
         """Roll the proposer's state forward to the committed sequence `tokens`."""

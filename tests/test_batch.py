@@ -564,6 +564,13 @@ def test_mtp_comb_tree_is_lossless_single_and_batched(tiny_models):
     assert d.tree is not None and d.size == 4 * (1 + 3) and d.tree.parents[:4].tolist() == [-1, 0, 1, 2]
     with pytest.raises(ConfigError, match="mtp_tree_alts = 2 is invalid: only the MTP heads draft a comb tree"):
         DecodeConfig(mtp_tree_alts=2, lean_forward=True)
+    pr.trees(False)  # mechanism load-tree: the same heads' chain, then the tree again
+    assert pr.propose(prompts[0], 4).tree is None
+    pr.trees(True)
+    assert pr.propose(prompts[0], 4).size == 16
+    cfg = preset_config("sd-mtp", base, mtp_tree_alts=3, draft_len=4, tree_max_live=1)
+    run = BatchEngine(target, cfg, 4, drafter, heads=heads).run([Request(p, 0.0, i) for i, p in enumerate(prompts)])
+    assert [r.tokens for r in run.results] == ref
 
 
 def test_batched_feature_proposers_get_the_accepted_positions_hidden_states(tiny_models):

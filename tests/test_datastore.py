@@ -154,6 +154,39 @@ def test_the_corpus_tree_is_lossless_single_and_batched_and_its_branches_are_acc
         assert run.stats.alternatives_accepted > 0
 
 
+def test_load_tree_drafts_the_corpus_chain_above_its_cap_and_the_tree_at_or_below(tiny_and_index):
+    """Mechanism load-tree: three copies of one prompt stay in step, so every step has 3 live requests. A cap of
+    1 drafts the corpus chain in all of them (the chain config's nodes, no branch accepted); a cap of 3 drafts the
+    tree (the uncapped tree's nodes). Lossless either way, and on distinct prompts whose tails run alone."""
+    from decoder.batch import batch_generate
+
+    target, heads = tiny_and_index
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (10, 14, 9, 21, 12, 8)]
+    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=32, stop_at_eos=False,
+                                                dtype="float32")).tokens for p in prompts]
+    base = DecodeConfig(method="sd", drafter="corpus", draft_len=6, max_new_tokens=32, stop_at_eos=False,
+                        dtype="float32", lean_forward=True, ragged_verify=True)
+    tree = dataclasses.replace(base, corpus_tree_alts=3)
+    same = [prompts[5]] * 3  # one whose tree has branches accepted
+
+    def run(cfg, ps):
+        r = batch_generate(cfg, target, ps, 3, heads=heads)
+        return [x.tokens for x in r.results], r.stats
+
+    chain_out, chain = run(base, same)
+    tree_out, full = run(tree, same)
+    assert chain_out == tree_out == [refs[5]] * 3 and full.alternatives_accepted > 0
+    capped_out, capped = run(dataclasses.replace(tree, tree_max_live=1), same)
+    assert capped_out == chain_out
+    assert (capped.drafted, capped.alternatives_accepted) == (chain.drafted, 0)  # drafted: tree nodes
+    _, at3 = run(dataclasses.replace(tree, tree_max_live=3), same)
+    assert (at3.drafted, at3.alternatives_accepted) == (full.drafted, full.alternatives_accepted)
+    assert run(dataclasses.replace(tree, tree_max_live=1), prompts)[0] == refs
+    with pytest.raises(ConfigError, match="tree_max_live = 2 is invalid: it switches the corpus or MTP tree"):
+        dataclasses.replace(base, tree_max_live=2)
+
+
 def test_the_batched_engine_drafts_from_the_corpus_token_identically(tiny_and_index):
     from decoder.batch import batch_generate
 

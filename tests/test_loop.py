@@ -311,6 +311,30 @@ def test_memory_configs_carry_what_their_mechanisms_require():
     assert cands[0].cfg.drafter == "mtp" and cands[0].cfg.lean_forward and cands[0].cfg.draft_len == 6
 
 
+def test_under_a_load_every_tree_is_also_offered_capped_to_the_batch_sizes_below_the_top():
+    """Mechanism load-tree in the tuner: at points 1, 8 each candidate that turns a tree on comes again with
+    tree_max_live = 1; at one point none does; on a base with a tree the registry's caps are the candidates, and
+    on a base without one a cap alone is no candidate (the config refuses it)."""
+    from decoder.config import DecodeConfig
+    from workbench.agents.tuner import candidates, tree_cap
+
+    assert (tree_cap([1, 8]), tree_cap([1, 4, 8, 16]), tree_cap([1]), tree_cap([8])) == (1, 8, 0, 0)
+    stock = DecodeConfig()
+    single = candidates(stock, "acceptance", [])
+    loaded = candidates(stock, "acceptance", [], points=[1, 8])
+    trees = [c for c in single if c.cfg.corpus_tree_alts or c.cfg.mtp_tree_alts]
+    assert trees and not any(c.cfg.tree_max_live for c in single)
+    capped = [c for c in loaded if c.cfg.tree_max_live]
+    assert len(capped) == len(trees) and all(c.cfg.tree_max_live == 1 and c.source.endswith("+load-tree")
+                                             for c in capped)
+    assert {json.dumps({**c.changes, "tree_max_live": 1}, sort_keys=True) for c in trees} == {
+        json.dumps(c.changes, sort_keys=True) for c in capped}
+    on_tree = DecodeConfig(drafter="corpus", lean_forward=True, corpus_tree_alts=4)
+    caps = sorted(c.cfg.tree_max_live for c in candidates(on_tree, "acceptance", []) if c.changes.keys() ==
+                  {"tree_max_live"})
+    assert caps == [1, 2, 4, 8]
+
+
 def test_no_agent_slot_for_a_family_whose_mechanisms_are_all_on(ws):
     """With the lean forward, transposed and oneDNN matmuls and the fused MLP on in the base (the host-overhead
     mechanisms on a CPU),

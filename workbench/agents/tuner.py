@@ -88,11 +88,21 @@ def with_requirements(changes: dict, contract: Contract = TORCH) -> dict:
     return {**req, **changes} if changes else {}
 
 
+def tree_cap(points: list[int] | tuple[int, ...]) -> int:
+    """The load-tree cap offered beside every tree the tuner tries under a load: the largest batch size below the
+    top one (points 1, 8 -> 1: the tree at one request, the chain in the batch); 0 for a load of one point."""
+    below = [b for b in points if b < max(points, default=1)]
+    return max(below, default=0)
+
+
 def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 0,
                refuse: Callable[[DecodeConfig], str | None] | None = None,
-               contract: Contract = TORCH) -> list[Candidate]:
+               contract: Contract = TORCH, points: list[int] | tuple[int, ...] = (1,)) -> list[Candidate]:
     """Memory's configs for the family first, then the registry's mechanisms of the family, on `base` (a config
-    of `contract`'s class); `refuse` (Workspace.refusal) drops what the deployment's models cannot run."""
+    of `contract`'s class); `refuse` (Workspace.refusal) drops what the deployment's models cannot run. Under a
+    load of several batch sizes (`points`), each candidate that switches a tree on comes again with the load-tree
+    cap `tree_cap(points)`: a tree that pays at one request and costs in the batch is then one candidate, not a
+    loss at one point that sinks the other."""
     cls = contract.config
     rng = random.Random(seed)
     out: list[Candidate] = []
@@ -137,6 +147,20 @@ def candidates(base: DecodeConfig, family: str, memory: list[dict], seed: int = 
         if c.key not in seen and c.changes:
             seen.add(c.key)
             out.append(c)
+    cap = tree_cap(points)
+    if cap and "tree_max_live" in cls.__dataclass_fields__:
+        for c in list(out):
+            turns_on = any(c.changes.get(k, 0) and not getattr(base, k) for k in ("corpus_tree_alts", "mtp_tree_alts"))
+            if not turns_on or c.cfg.tree_max_live:
+                continue
+            try:
+                cfg = cls(**{**c.cfg.as_dict(), "tree_max_live": cap})
+            except (ConfigError, TypeError):
+                continue
+            v = Candidate({**c.changes, "tree_max_live": cap}, f"{c.source}+load-tree", cfg)
+            if v.key not in seen and not (refuse is not None and refuse(cfg)):
+                seen.add(v.key)
+                out.append(v)
     return out
 
 
@@ -294,7 +318,8 @@ class TunerAgent:
         def refuse(cfg) -> str | None:  # what the engine built from this branch can run
             return self.ws.refusal(cfg, head)
 
-        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, refuse, self.contract)
+        cands = candidates(base, ctx.direction.family, ctx.direction.memory, self.seed, refuse, self.contract,
+                           self.points)
         schedule_first = (ctx.direction.family == "batching" and any(b > 1 for b in self.points) and base.method == "sd"
                           and "load_schedule" in self.contract.config.__dataclass_fields__)
         if not cands and not schedule_first:
