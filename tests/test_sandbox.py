@@ -334,3 +334,45 @@ def test_no_timed_prompt_is_one_the_process_has_answered_before(tmp_path, fresh)
         assert all(t == [0] for t in timed), timed
     else:
         assert timed.count([1]) == 8, timed  # passes 2 and 3 were repeats
+
+
+HELD_OUT_PROBE = r'''
+import json, os
+got = {"public": open(os.environ["PKG"] + "/public.txt").read(),
+       "listing": sorted(os.listdir(os.environ["PKG"] + "/prompts"))}
+try:
+    got["secret"] = open(os.environ["PKG"] + "/prompts/hidden.jsonl").read()
+except OSError as e:
+    got["secret"] = e.strerror
+print(json.dumps(got), flush=True)
+'''
+
+
+def test_held_out_prompts_under_a_mounted_folder_are_covered_and_an_editable_install_has_none(tmp_path):
+    """A non-editable install puts the package (the demo's held-out prompts with it) under sys.prefix, which
+    the sandbox mounts: the held-out folder is covered by an empty read-only one, the rest of the mount stays
+    readable. An editable install lies outside every mounted folder: nothing to cover."""
+    from workbench.harness import HELD_OUT, hidden_under
+
+    pkg = tmp_path / "site" / "decoder"
+    (pkg / "prompts").mkdir(parents=True)
+    (pkg / "prompts" / "hidden.jsonl").write_text('{"id": "timed", "text": "the answer"}\n')
+    (pkg / "public.txt").write_text("weights and code")
+    held = (pkg / "prompts",)
+    assert hidden_under([str(tmp_path / "site")], held) == [str((pkg / "prompts").resolve())]
+    assert hidden_under([str(tmp_path / "elsewhere"), "/usr"], held) == []
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "probe.py").write_text(HELD_OUT_PROBE)
+    argv = [sys.executable, "-I", str(wt / "probe.py")]
+    spec = sandbox_spec(wt, [tmp_path / "site"], argv, clean_env(wt, 1, {"PKG": str(pkg.resolve())}), 1024)
+    spec["hide"] = hidden_under(spec["read_only"], held)
+    out = subprocess.run(sandbox_command(spec), capture_output=True, text=True, env=_host_env(), timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["public"] == "weights and code" and got["listing"] == []
+    assert "answer" not in got["secret"]
+    # This checkout's package: covered exactly when a mounted folder holds it.
+    assert HELD_OUT[0].is_dir()
+    assert sandbox_spec(wt, [], argv, {}, 1024)["hide"] == []
+    assert sandbox_spec(wt, [HELD_OUT[0].parent.parent], argv, {}, 1024)["hide"] == [str(HELD_OUT[0])]

@@ -7,9 +7,9 @@ Standard library only. Started as the workbench's user, it
 2. enters fresh user, mount, network and PID namespaces (its uid is root of the new user namespace
    only) and forks the namespace's first process;
 3. (or here, when not started as root) builds a new root on a tmpfs holding only what the spec names
-   (read-only system and Python directories, the model files, the candidate's worktree read-only, an
-   empty size-limited /tmp, a private /dev with five nodes and a size-limited /dev/shm, a fresh /proc
-   with /proc/sys read-only) and pivots into it;
+   (read-only system and Python directories, the model files, the candidate's worktree read-only, the
+   spec's held-out folders covered by empty ones, an empty size-limited /tmp, a private /dev with five
+   nodes and a size-limited /dev/shm, a fresh /proc with /proc/sys read-only) and pivots into it;
 4. enters one more user and mount namespace in which it is uid/gid `CANDIDATE_ID` (not root: the
    candidate execs with no capabilities at all) and whose mounts are locked;
 5. sets the resource limits (address space, file size, open files, processes, no core dumps) and
@@ -88,6 +88,9 @@ def build_root(spec: dict, root: str) -> None:
         bind(root, path, writable=True)
     for path, at, writable in spec.get("bind", []):  # a folder shown at another path (an engine build's source)
         bind(root, path, writable=bool(writable), at=at)
+    for path in spec.get("hide", []):  # held-out data under a mounted folder: an empty read-only folder over it
+        if os.path.isdir(root + path):
+            mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "mode=755,size=4k")
     # A private /dev: the few harmless nodes bound one by one, a size-limited /dev/shm that dies with
     # the sandbox (the host's /dev, its /dev/shm included, is never visible: no channel between runs).
     os.makedirs(root + "/dev", exist_ok=True)

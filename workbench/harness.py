@@ -42,6 +42,10 @@ from workbench.progress import current_branch
 NO_SANDBOX_WARNING = ("NO SANDBOX: the candidate ran with this user's full file-system and network access "
                       "(unshare with user namespaces is unavailable here); its isolation is NOT enforced")
 _INIT = Path(__file__).with_name("_sandbox_init.py")
+# Held-out data of the installed package: the demo's prompt sets, its hidden (timed) prompts among them. Where the
+# package lies under a folder the sandbox mounts (a non-editable install under sys.prefix), an empty read-only
+# folder covers it, so a candidate cannot read the prompts it is timed on.
+HELD_OUT = (Path(__file__).resolve().parent.parent / "decoder" / "assets" / "demo" / "prompts",)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 # /etc files a Python process needs (no /etc/shadow, no keys).
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/hosts",
@@ -141,8 +145,22 @@ def sandbox_spec(worktree: Path, read_only: list[Path], argv: list[str], env: di
           *sorted(py_dirs), *(str(Path(p).resolve()) for p in read_only)]
     # The worktree is read-only too: a run writes nothing the next stage could find (caches go to /tmp).
     return {"read_only": [*ro, str(worktree)], "read_write": [], "cwd": str(worktree), "argv": argv, "env": env,
+            "hide": hidden_under([*ro, str(worktree)]),
             "rlimit_as": (memory_mb + 4096) * 1024 * 1024,
             "dev_extra": sorted(p.name for p in Path("/dev").glob("nvidia*") if not p.is_dir())}  # GPUs, if any
+
+
+def hidden_under(mounted: list[str], held_out: tuple[Path, ...] = HELD_OUT) -> list[str]:
+    """The held-out folders that lie under one of the `mounted` paths (the sandbox covers each with an empty
+    read-only folder); none for an editable install, whose package lies outside every mounted folder."""
+    out = []
+    for h in held_out:
+        if not h.is_dir():
+            continue
+        h = h.resolve()
+        if any(h == Path(m).resolve() or Path(m).resolve() in h.parents for m in mounted if os.path.exists(m)):
+            out.append(str(h))
+    return out
 
 
 def unreadable_for_sandbox(paths: list[Path]) -> Path | None:
