@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from costmodel.accuracy import AccuracyError, StepSweep, sweep_mismatch
 from costmodel.deployment import DEMO_CONTEXT, DEMO_DRAFT_LEN, CostDeployment, demo_deployment, demo_dir
 from costmodel.entry import MethodEntry
-from costmodel.hardware import LOCAL, get_profile, save_profile
+from costmodel.hardware import LOCAL, get_profile, local_profile_path, save_profile
 from costmodel.kernels import WIDTHS as KERNEL_WIDTHS
 from costmodel.kernels import KernelBenchError, kernel_profile_report, plot_kernel_widths
 from costmodel.model_profile import WEIGHT_FORMATS, load_model_profile
@@ -109,8 +109,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-model", action="store_true", help="measure the machine only, no model sweep")
     p.add_argument("--seconds", type=_positive_float, default=10.0, help="time budget (default 10)")
     p.add_argument("--context", type=_positive_int, default=256, help="KV context of the model sweep")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--name", default="cpu-local", help="profile name (default cpu-local)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the model sweep's dtype (default bfloat16); a float32 profile under the default name is "
+                        "kept beside the bfloat16 one, as cpu-local-float32 (where the loop keeps a float32 "
+                        "workspace's)")
+    p.add_argument("--name", default=LOCAL, help=f"profile name (default {LOCAL})")
     p.add_argument("--out", help="write the profile to this file instead of the data dir")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=cmd_profile)
@@ -339,7 +342,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"measuring this machine and the verify step of {model} (~{args.seconds:g} s)", file=sys.stderr)
         profile = measure_cpu_local_repeated(model, args.seconds, context=args.context, dtype=args.dtype,
                                              name=args.name, steps=bool(model), drafter_dir=drafter)
-        path = save_profile(profile, args.out)
+        # The default name in float32: its own file, never over the bfloat16 profile (the loop reads each).
+        path = save_profile(profile, args.out or (local_profile_path(args.dtype) if args.name == LOCAL else None))
     except ValueError as e:
         return _fail(str(e))
     if args.json:

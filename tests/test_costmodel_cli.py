@@ -269,6 +269,24 @@ def test_the_loop_s_profile_of_this_machine_is_kept_per_dtype(tmp_path):
     assert local_profile_path("bfloat16").name == "cpu-local.json"
 
 
+def test_profile_hardware_in_float32_keeps_the_bfloat16_profile(data_dir, capsys):
+    """`specpilot profile hardware --dtype float32` under the default name writes cpu-local-float32.json (where the
+    loop keeps a float32 workspace's profile), never over cpu-local.json; --name and --out still decide."""
+    bf16 = HardwareProfile("cpu-local", 12.5, 0.2, None, 0.0, measured={"dtype": "bfloat16"})
+    save_profile(bf16)
+    parser = argparse.ArgumentParser(prog="specpilot")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["profile", "hardware", "--no-model", "--seconds", "0.3", "--dtype", "float32"])
+    assert args.func(args) == 0
+    hw = data_dir / "hardware"
+    assert capsys.readouterr().out.strip().endswith(f"saved {hw / 'cpu-local-float32.json'}")
+    assert load_profile(hw / "cpu-local.json") == bf16
+    assert load_profile(hw / "cpu-local-float32.json").name == "cpu-local"
+    args = parser.parse_args(["profile", "hardware", "--no-model", "--seconds", "0.3", "--dtype", "float32",
+                              "--name", "box"])
+    assert args.func(args) == 0 and (hw / "box.json").is_file()
+
+
 @pytest.mark.slow
 def test_a_float32_workspace_measures_its_own_profile_beside_a_bfloat16_one(tmp_path):
     from dataclasses import replace
