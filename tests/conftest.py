@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,15 @@ def tiny_fp32():
 def tiny_prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(5)
     return [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (24, 40, 9)]
+
+
+def fake_system(body: str, setup: str = "") -> str:
+    """The source of a stand-in system speaking the serve protocol (a ready line, then one JSON answer per
+    request until `quit`): `setup` runs first, `body` once per request with `req` bound; json, os and sys are
+    imported. For the harness's and the sandbox's tests, where the system's behaviour is the point."""
+    return ("import json, os, sys\n" + textwrap.dedent(setup) + 'print(json.dumps({"ready": True}), flush=True)\n'
+            'for line in sys.stdin:\n    req = json.loads(line)\n    if req.get("op") == "quit":\n        break\n'
+            + textwrap.indent(textwrap.dedent(body), "    "))
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

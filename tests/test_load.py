@@ -11,6 +11,7 @@ from decoder.batch import BatchEngine, Request
 from decoder.config import ConfigError, DecodeConfig, parse_load_schedule, scheduled_draft_len
 from decoder.generate import ar_generate, generate
 from decoder.mechanisms import REGISTRY
+from tests.conftest import fake_system
 from workbench.forcing import _force_batched
 from workbench.harness import SystemCrash, SystemProcess
 from workbench.measure import (
@@ -107,25 +108,19 @@ def test_single_request_loop_reads_the_schedule_at_one_request(models):
 
 # -- the serve protocol and the harness ---------------------------------------------------------------
 
-ECHO_BATCH = r'''
-import json, sys
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if req.get("op") == "quit":
-        break
-    n = req["max_new_tokens"]
-    if "batch" in req:
-        mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
-        outs = [[(p[0] + 1) % 50] * n for p in req["batch"]]  # a model that reads the first token only
-        if mode == "short":
-            outs = outs[:-1]
-        if mode == "wrong" and len(outs) > 1 and n > 2:
-            outs[1][2] = 49
-        print(json.dumps({"id": req["id"], "outputs": outs}), flush=True)
-    else:
-        print(json.dumps({"id": req["id"], "tokens": [(req["prompt_ids"][0] + 1) % 50] * n}), flush=True)
-'''
+ECHO_BATCH = fake_system(r'''
+n = req["max_new_tokens"]
+if "batch" in req:
+    mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+    outs = [[(p[0] + 1) % 50] * n for p in req["batch"]]  # a model that reads the first token only
+    if mode == "short":
+        outs = outs[:-1]
+    if mode == "wrong" and len(outs) > 1 and n > 2:
+        outs[1][2] = 49
+    print(json.dumps({"id": req["id"], "outputs": outs}), flush=True)
+else:
+    print(json.dumps({"id": req["id"], "tokens": [(req["prompt_ids"][0] + 1) % 50] * n}), flush=True)
+''')
 
 
 def _echo(tmp_path: Path, mode: str = "ok") -> SystemProcess:
@@ -163,21 +158,16 @@ def test_paired_bench_under_load_times_batches_and_checks_every_output(tmp_path)
 # earlier request, the warm-up's included, or earlier in the same batch), or whose reverse it answered (the
 # warm-up prompt was the first prompt reversed: a system could precompute that prompt's answer while warming
 # up), gets a wrong answer, which the benchmark's check of every timed output then reports.
-RECORDER = r"""
-import json, sys
+RECORDER = fake_system(r'''
+n = req["max_new_tokens"]
+outs = []
+for p in req.get("batch") or [req["prompt_ids"]]:
+    outs.append([49] * n if tuple(p) in seen else [(p[0] + 1) % 50] * n)
+    seen.update((tuple(p), tuple(reversed(p))))
+print(json.dumps({"id": req["id"], **({"outputs": outs} if "batch" in req else {"tokens": outs[0]})}), flush=True)
+''', setup=r'''
 seen = set()
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if req.get("op") == "quit":
-        break
-    n = req["max_new_tokens"]
-    outs = []
-    for p in req.get("batch") or [req["prompt_ids"]]:
-        outs.append([49] * n if tuple(p) in seen else [(p[0] + 1) % 50] * n)
-        seen.update((tuple(p), tuple(reversed(p))))
-    print(json.dumps({"id": req["id"], **({"outputs": outs} if "batch" in req else {"tokens": outs[0]})}), flush=True)
-"""
+''')
 
 
 def _recorder(tmp_path: Path, side: str) -> SystemProcess:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import fake_system
 from workbench._sandbox_init import CANDIDATE_ID, SANDBOX_UID_BASE
 from workbench.harness import (
     LOG_HEAD_BYTES,
@@ -135,20 +136,15 @@ def test_the_candidate_is_unprivileged_inside_and_outside_and_contained(tmp_path
     assert not (tmp_path / "wt" / "written.txt").exists()
 
 
-SERVER = r'''
-import json, os, sys
+SERVER = fake_system(r'''
+for name in ("a", "b"):  # two files: one file may not pass 256 MiB
+    with open("/tmp/hoard-" + name, "ab") as f:
+        for _ in range(200):
+            f.write(bytes(1 << 20))
+print(json.dumps({"id": req["id"], "tokens": [1]}), flush=True)
+''', setup=r'''
 sys.stderr.write("x" * (3 << 20) + "\nthe last line\n"); sys.stderr.flush()
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if req.get("op") == "quit":
-        break
-    for name in ("a", "b"):  # two files: one file may not pass 256 MiB
-        with open("/tmp/hoard-" + name, "ab") as f:
-            for _ in range(200):
-                f.write(bytes(1 << 20))
-    print(json.dumps({"id": req["id"], "tokens": [1]}), flush=True)
-'''
+''')
 
 
 def test_sandbox_tmpfs_counts_as_memory_and_the_log_is_capped(tmp_path):
@@ -172,18 +168,13 @@ def test_sandbox_tmpfs_counts_as_memory_and_the_log_is_capped(tmp_path):
     assert "bytes of this log dropped" in text and text.rstrip().endswith("the last line")
 
 
-ECHO = r'''
-import json, os, sys
+ECHO = fake_system(r'''
+if greedy:  # more of the machine than the side it is compared with
+    os.sched_setaffinity(0, range(os.cpu_count()))
+print(json.dumps({"id": req["id"], "tokens": [1, 2, 3]}), flush=True)
+''', setup=r'''
 greedy = len(sys.argv) > 1
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if req.get("op") == "quit":
-        break
-    if greedy:  # more of the machine than the side it is compared with
-        os.sched_setaffinity(0, range(os.cpu_count()))
-    print(json.dumps({"id": req["id"], "tokens": [1, 2, 3]}), flush=True)
-'''
+''')
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin one side to one of them")
@@ -259,15 +250,9 @@ def test_the_idle_side_is_frozen_whole_while_the_other_is_timed(tmp_path):
     assert running >= 0.3, running
 
 
-RECORDER = r'''
-import json, sys
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if req.get("op") == "quit":
-        break
-    print(json.dumps({"id": req["id"], "tokens": req["prompt_ids"][:1]}), flush=True)
-'''
+RECORDER = fake_system(r'''
+print(json.dumps({"id": req["id"], "tokens": req["prompt_ids"][:1]}), flush=True)
+''')
 
 
 def test_the_benchmark_order_is_new_every_pass(tmp_path):
@@ -294,18 +279,13 @@ def test_the_benchmark_order_is_new_every_pass(tmp_path):
     assert len(set(passes)) > 1, passes  # 4 equal draws of 720 orders: about 1 in 4e8
 
 
-MEMO = r'''
-import json, sys
+MEMO = fake_system(r'''
+key = tuple(req["prompt_ids"])
+print(json.dumps({"id": req["id"], "tokens": [1 if key in seen else 0]}), flush=True)
+seen.add(key)
+''', setup=r'''
 seen = set()
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if req.get("op") == "quit":
-        break
-    key = tuple(req["prompt_ids"])
-    print(json.dumps({"id": req["id"], "tokens": [1 if key in seen else 0]}), flush=True)
-    seen.add(key)
-'''
+''')
 
 
 @pytest.mark.parametrize("fresh", [True, False])
