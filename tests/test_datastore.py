@@ -132,14 +132,19 @@ def test_the_corpus_drafter_is_lossless_and_its_drafts_are_accepted(tiny_and_ind
     assert accepted > 0
 
 
+def _tree_prompts(target) -> tuple[list[list[int]], list[list[int]]]:
+    """Six random prompts of the corpus tree's tests and the target's 32 greedy tokens after each."""
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (10, 14, 9, 21, 12, 8)]
+    return prompts, [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=32, stop_at_eos=False,
+                                                         dtype="float32")).tokens for p in prompts]
+
+
 def test_the_corpus_tree_is_lossless_single_and_batched_and_its_branches_are_accepted(tiny_and_index):
     from decoder.batch import batch_generate
 
     target, heads = tiny_and_index
-    gen = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (10, 14, 9, 21, 12, 8)]
-    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=32, stop_at_eos=False,
-                                                dtype="float32")).tokens for p in prompts]
+    prompts, refs = _tree_prompts(target)
     cfg = DecodeConfig(method="sd", drafter="corpus", draft_len=6, max_new_tokens=32, stop_at_eos=False,
                        dtype="float32", lean_forward=True, corpus_tree_alts=3)
     branches = 0
@@ -161,10 +166,7 @@ def test_load_tree_drafts_the_corpus_chain_above_its_cap_and_the_tree_at_or_belo
     from decoder.batch import batch_generate
 
     target, heads = tiny_and_index
-    gen = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (10, 14, 9, 21, 12, 8)]
-    refs = [ar_generate(target, p, DecodeConfig(method="ar", max_new_tokens=32, stop_at_eos=False,
-                                                dtype="float32")).tokens for p in prompts]
+    prompts, refs = _tree_prompts(target)
     base = DecodeConfig(method="sd", drafter="corpus", draft_len=6, max_new_tokens=32, stop_at_eos=False,
                         dtype="float32", lean_forward=True, ragged_verify=True)
     tree = dataclasses.replace(base, corpus_tree_alts=3)
