@@ -68,6 +68,10 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
         why = onednn_bf16_refusal()
         if why:
             return why
+    if cfg.matmul_backend == "bf16w" and cfg.lean_forward:
+        why = bf16w_refusal(dtype or cfg.dtype)
+        if why:
+            return why
     if cfg.weight_format == "w12" and dtype not in (None, "bfloat16"):
         return f"w12 weights pack bf16 weights; the model is loaded as {dtype} (use --dtype bfloat16)"
     if uses_drafter_model and drafter_config is not None:
@@ -76,6 +80,18 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
             return (f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv}); a drafter must "
                     f"share the target's tokenizer")
     return None
+
+
+def bf16w_refusal(dtype: str) -> str | None:
+    """Why the bf16w kernel cannot run this deployment here, in one line; None when it can (a weight bf16 cannot
+    hold exactly is found only when the weights are packed: LeanUnsupported then)."""
+    from kernels.cpu_bf16w import unavailable  # a seam: the command lines start without torch (it imports torch)
+
+    if dtype != "float32":
+        return (f'matmul_backend = "bf16w" multiplies float32 activations; the model is loaded as {dtype}: use '
+                f'dtype = "float32" or matmul_backend = "torch"')
+    why = unavailable()
+    return f'matmul_backend = "bf16w": {why}; use matmul_backend = "torch"' if why else None
 
 
 def onednn_bf16_refusal() -> str | None:

@@ -27,7 +27,8 @@ FEATURE_NEEDS = {"method": "sd", "lean_forward": True, "verify": "chain", "dcut"
 # row per branch, decoder/runners.py); decoder/capabilities.py decides which a model allows.
 TREE_NEEDS = {"method": "sd", "drafter": "draft-model", "cuda_graphs": False, "temperature": 0.0}
 DTYPES = ("bfloat16", "float32", "float16")
-MATMUL_BACKENDS = ("torch", "onednn")  # mechanism onednn-matmul: whose kernels the lean forward's matmuls run
+# mechanisms onednn-matmul and bf16w-matmul: whose kernels the lean forward's matmuls run
+MATMUL_BACKENDS = ("torch", "onednn", "bf16w")
 VERIFY_MODES = ("chain", "tree", "two-level")
 MAX_TREE_NODES = 256  # nodes one tree verify may carry (the lean KV buffer and the mask grow with it)
 MAX_NEW_TOKENS = 65536  # per request; a model's own position limit (max_position_embeddings) is usually lower
@@ -331,6 +332,8 @@ class DecodeConfig(ConfigTable):
                                         "\"torch\"")
         if self.matmul_backend == "onednn" and self.device != "cpu":
             raise bad("matmul_backend", "oneDNN runs on the CPU; use \"torch\" on " + repr(self.device))
+        if self.matmul_backend == "bf16w" and self.device != "cpu":
+            raise bad("matmul_backend", "the bf16w kernel runs on the CPU; use \"torch\" on " + repr(self.device))
         if not 0 <= self.fused_mlp_rows <= 65536:
             raise bad("fused_mlp_rows", "use 0 (off) or the fewest rows a fused call takes, up to 65536")
         if self.fused_mlp_rows and self.matmul_backend != "onednn":

@@ -28,6 +28,7 @@ from decoder.archs import activation_name as _activation_name
 from decoder.archs import layer_windows as _layer_windows
 from decoder.capabilities import onednn_bf16_refusal
 from decoder.config import MATMUL_BACKENDS
+from kernels import cpu_bf16w
 
 # hidden_act / hidden_activation -> the function HF's ACT2FN entry computes
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # keyed by archs.ACTIVATION_NAMES
@@ -238,6 +239,8 @@ class LeanLM:
         # Packed weights and built primitives outlive a switch back to "torch": the batched engine sets the backend
         # each request's config names, and packing again (0.6 s on the demo) would land in a timed request.
         self._onednn_store: tuple[tuple[int, ...], dict[int, torch.Tensor]] | None = None
+        self._bf16w: dict[int, tuple[torch.Tensor, int]] = {}  # mechanism bf16w-matmul: id(w) -> (panels, N)
+        self._bf16w_store: tuple[tuple[int, ...], dict[int, tuple[torch.Tensor, int]]] | None = None
         self._fused_store: list | None = None
         self._fused_warm = ONEDNN_WARM_MAX + 1  # fused primitives are built from this many rows up
         self._head_ids: torch.Tensor | None = None  # draft-vocab on a draft model: the tokens its head scores
@@ -254,7 +257,7 @@ class LeanLM:
         only: the target verifies them). None restores the full head."""
         self._head_ids = ids
         self._head_rows = None if ids is None else self.lm_head[ids].contiguous()
-        self._onednn_store = None  # packed for the old head
+        self._onednn_store = self._bf16w_store = None  # packed for the old head
         self.set_transposed_rows(self.t_rows)  # the pruned head's copies for the matmul mechanisms
         self.set_matmul_backend(self.matmul_backend)
 
@@ -291,9 +294,28 @@ class LeanLM:
                     _warm_onednn([(packed[id(w)], w.shape[1], ONEDNN_BUCKETS[0][0] if head else ONEDNN_WARM_MAX)
                                   for (_, head), w in shapes.items()], self.dtype)
                 self._onednn_store = (key, packed)
+        self._bf16w = self._pack_bf16w() if backend == "bf16w" else {}
         self.matmul_backend, self._packed = backend, packed
         if self.fused_rows:
             self.set_fused_mlp_rows(self.fused_rows if packed else 0)
+
+    def _pack_bf16w(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """Mechanism bf16w-matmul: every matmul weight as the CPU kernel's bf16 panels (kernels/cpu_bf16w.py), kept
+        for a later switch back; refused in one line unless the weights are float32 values bf16 holds exactly."""
+        key = tuple(id(w) for w in self._matmul_weights())
+        if self._bf16w_store is not None and self._bf16w_store[0] == key:
+            return self._bf16w_store[1]
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise LeanUnsupported(f"lean forward: matmul_backend = \"bf16w\" multiplies float32 activations on the "
+                                  f"CPU, not {self.dtype} on {self.device.type}; use dtype = \"float32\" on the CPU "
+                                  f"or matmul_backend = \"torch\"")
+        try:
+            packed = {id(w): (cpu_bf16w.pack(w), w.shape[0]) for w in self._matmul_weights()}
+        except (ValueError, cpu_bf16w.KernelUnavailable) as e:
+            raise LeanUnsupported(f"lean forward: matmul_backend = \"bf16w\": {e}; use \"torch\" or "
+                                  f"\"onednn\"") from None
+        self._bf16w_store = (key, packed)
+        return packed
 
     def set_fused_mlp_rows(self, rows: int) -> None:
         """Mechanism fused-mlp: calls of at least `rows` rows run the MLP as gate = swish(x Wg) and up = (x Wu) * gate,
@@ -340,11 +362,15 @@ class LeanLM:
                 self._wt[id(w)] = w.t().contiguous()
 
     def mm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] @ w [out, in]^T (+ b): the transposed copy at up to `t_rows` rows, else oneDNN's packed
-        weight when the backend is "onednn", else F.linear."""
+        """x [T, in] @ w [out, in]^T (+ b): the transposed copy at up to `t_rows` rows, else the bf16 panels at up
+        to cpu_bf16w.MAX_ROWS rows when the backend is "bf16w", else oneDNN's packed weight when it is "onednn",
+        else F.linear."""
         if x.shape[0] <= self.t_rows:
             y = x @ self._wt[id(w)]
             return y if b is None else y + b
+        if self._bf16w and x.shape[0] <= cpu_bf16w.MAX_ROWS:
+            panels, n = self._bf16w[id(w)]
+            return cpu_bf16w.linear(x, panels, n, b)
         if self._packed:
             return _onednn_linear(x, self._packed[id(w)], b)
         return F.linear(x, w, b)

@@ -43,6 +43,12 @@ PRESETS: dict[str, dict] = {
     "sd-corpus-lean": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True},
     "sd-corpus-lean-dnn": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                            "matmul_backend": "onednn"},
+    # Mechanism bf16w-matmul: the lean methods with the weights held as bfloat16 and a CPU kernel multiplying them.
+    "ar-lean-bf16w": {"method": "ar", "lean_forward": True, "matmul_backend": "bf16w"},
+    "sd-corpus-lean-bf16w": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                             "matmul_backend": "bf16w"},
+    "sd-corpus-tree-bf16w": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                             "matmul_backend": "bf16w", "corpus_tree_alts": CORPUS_TREE_ALTS},
     # Mechanism fused-mlp on top of onednn-matmul: from FUSED_MLP_ROWS rows (a prefill), the MLP's SiLU and product
     # ride on oneDNN's matmuls.
     "ar-lean-fused": {"method": "ar", "lean_forward": True, "matmul_backend": "onednn",

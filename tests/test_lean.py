@@ -199,7 +199,7 @@ def test_onednn_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
     dnn.set_matmul_backend("onednn")  # the batched engine switches per request: nothing is packed or built again
     assert dnn._packed is packed
     dnn.set_matmul_backend("torch")
-    with pytest.raises(ValueError, match="matmul backend 'mkl': choose one of torch, onednn"):
+    with pytest.raises(ValueError, match="matmul backend 'mkl': choose one of torch, onednn, bf16w"):
         dnn.set_matmul_backend("mkl")
     half = LeanLM(copy.deepcopy(tiny_fp32[1]).to(torch.float16))
     with pytest.raises(LeanUnsupported, match="packs float32 or bfloat16 weights, not torch.float16"):
@@ -212,7 +212,7 @@ def test_onednn_matmul_matches_linear_and_keeps_tokens(tiny_fp32, tiny_prompts):
         assert generate(cfg, model, tiny_prompts[1], tiny_fp32[1]).tokens == ref, (rows, k)
     with pytest.raises(ConfigError, match="matmul_backend = 'onednn' is invalid: it changes the lean forward"):
         DecodeConfig(matmul_backend="onednn")
-    with pytest.raises(ConfigError, match="matmul_backend = 'mkl' is invalid: choose one of torch, onednn"):
+    with pytest.raises(ConfigError, match="matmul_backend = 'mkl' is invalid: choose one of torch, onednn, bf16w"):
         DecodeConfig(lean_forward=True, matmul_backend="mkl")
     with pytest.raises(ConfigError, match="oneDNN runs on the CPU; use \"torch\" on 'cuda'"):
         DecodeConfig(lean_forward=True, matmul_backend="onednn", device="cuda")
