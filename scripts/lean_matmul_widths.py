@@ -11,6 +11,8 @@ from memory as in a real forward, not from cache), each width 1..N as
   mkldnn   oneDNN's linear with the weight prepacked (torch.utils.mkldnn), x converted in and out each call
   onednn   what mechanism onednn-matmul runs (LeanLM.set_matmul_backend): the weight packed once for
            ONEDNN_PACK_ROWS rows (torch.ops.mkldnn._reorder_linear_weight), dense x in and out
+  bf16w    what mechanism bf16w-matmul runs (float32 only, on a CPU the kernel runs on): the weight held as
+           bfloat16 panels (kernels/cpu_bf16w.py), widened in registers
 
 (the LM head over every row included, as a verify scores every drafted position)
 and prints ms per forward's matmuls (the fastest of --repeats passes) and JSON with --out.
@@ -31,8 +33,9 @@ import torch.utils.mkldnn
 
 from decoder.lean import ONEDNN_PACK_ROWS
 from decoder.models import ModelLoadError, model_config, smollm2_deployment
+from kernels import cpu_bf16w
 
-MODES = ("linear", "xWt", "pad4", "mkldnn", "onednn")
+MODES = ("linear", "xWt", "pad4", "mkldnn", "onednn", "bf16w")
 
 
 def layer_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -60,6 +63,8 @@ def measure(cfg: dict, dtype: torch.dtype, widths: int, repeats: int) -> dict:
     packed = [[_mkldnn_linear(w) for w in lw] for lw in ws] if dnn else None
     reorder = torch.ops.mkldnn._reorder_linear_weight
     reordered = [[reorder(w, ONEDNN_PACK_ROWS) for w in lw] for lw in ws] if dnn else None
+    kern = dtype == torch.float32 and cpu_bf16w.unavailable() is None
+    panels = [[cpu_bf16w.pack(w.to(torch.bfloat16)) for w in lw] for lw in ws] if kern else None
 
     def one(m: int, mode: str) -> float:
         xs = {i: torch.randn(m, i, dtype=dtype) for (_, i) in shapes + [(0, int(cfg["hidden_size"]))]}
@@ -75,11 +80,13 @@ def measure(cfg: dict, dtype: torch.dtype, widths: int, repeats: int) -> dict:
                     torch.nn.functional.linear(pad[w.shape[1]], w)
                 elif mode == "mkldnn":
                     packed[li][j](xs[w.shape[1]].to_mkldnn()).to_dense()
+                elif mode == "bf16w":
+                    cpu_bf16w.linear(xs[w.shape[1]], panels[li][j], w.shape[0])
                 else:
                     torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], reordered[li][j], None, "none", [], "")
         return time.perf_counter() - t
 
-    modes = [m for m in MODES if m not in ("mkldnn", "onednn") or dnn]
+    modes = [m for m in MODES if (m not in ("mkldnn", "onednn") or dnn) and (m != "bf16w" or kern)]
     out: dict = {mode: {} for mode in modes}
     with torch.inference_mode():
         for m in range(1, widths + 1):
