@@ -155,3 +155,24 @@ def test_a_family_that_just_came_up_empty_ranks_after_one_never_tried():
     assert [d.family for d in _plan(fruitless={"host-overhead", "acceptance"})[0]] == ["drafting", "host-overhead"]
     mem = {"acceptance": [{"name": "tree", "config": {"verify": "tree"}}]}
     assert _plan(memory=mem, fruitless={"acceptance"}, transfer_tried=True)[0][0].family == "acceptance"
+
+
+def test_a_compute_gap_on_a_cpu_gets_a_tuner_with_the_bf16w_kernel():
+    """Session 33's loop: after round 1 the compute gap was the largest (5.5 ms/token: the profile prices few-row
+    matmuls at F.linear's measured rate) and no tuner mechanism addressed it, so the round went to acceptance and
+    batching and the bf16w kernel (2.3x over stock in one process) was never tried. bf16w-matmul is the compute
+    family's mechanism on a CPU; a GPU has none (no compute direction for the tuner there)."""
+    from workbench.agents.tuner import candidates
+
+    bd = {"families": {"compute": 5.5, "acceptance": 3.2, "batching": 1.6, "host-overhead": 0.5},
+          "gaps": [{"name": "compute", "family": "compute"}, {"name": "acceptance gap", "family": "acceptance"},
+                   {"name": "rejected verify rows", "family": "batching"}]}
+    base = DecodeConfig(lean_forward=True, drafter="corpus", corpus_tree_alts=2, dtype="float32")
+    args = {"agents": 2, "agent": "tuner", "base_cfg": base, "transfer_tried": False, "memory_for": lambda fam: []}
+    dirs, _ = plan_directions(bd, set(), device="cpu", **args)
+    assert [d.family for d in dirs] == ["compute", "acceptance"]
+    assert "bf16w-matmul" in [m["name"] for m in dirs[0].mechanisms]
+    assert {"matmul_backend": "bf16w"} in [c.changes for c in candidates(base, "compute", [])]
+    cuda = DecodeConfig(lean_forward=True, drafter="corpus", device="cuda")
+    assert [d.family for d in plan_directions(bd, set(), device="cuda", **{**args, "base_cfg": cuda})[0]] == \
+        ["acceptance", "batching"]
