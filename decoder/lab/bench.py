@@ -74,16 +74,20 @@ CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused"
 # Mechanism fused-mlp on top of onednn-matmul: a prefill's MLP as two oneDNN matmuls with SiLU and the product fused.
 # Not in the default set; speedups against ar-lean-fused, so ar-lean-fused beside ar-lean is the forward's own gain.
 FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused", "sd-corpus-tree-fused")
+# Mechanism bf16w-matmul (kernels/cpu_bf16w.c): the weights held as bfloat16 and multiplied by the CPU kernel; float32
+# deployments of bf16 checkpoints on AVX-512 CPUs. Not in the default set; speedups against ar-lean-bf16w.
+BF16W_METHODS = ("ar-lean-bf16w", "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w")
+CORPUS_METHODS += BF16W_METHODS[1:]
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = tuple(dict.fromkeys(  # sd-corpus-lean-fused is a corpus method and a fused one: listed once
-    ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS))
+    ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS + BF16W_METHODS))
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
                        "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-tree-dnn", "sd-two-level-dnn",
                        "sd-dcut-dnn",
                        "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
 VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn",
-                    "fused": "ar-lean-fused"}
+                    "fused": "ar-lean-fused", "bf16w": "ar-lean-bf16w"}
 
 
 RANKED_METHODS = ("sd-draft-model-vocab-dnn",)  # need the target's token ranking, not its feature drafters
@@ -168,7 +172,7 @@ class FeatureSettings:
         if name == "sd-mtp-tree":
             return {"draft_len": self.mtp_draft_len, "draft_vocab": self.mtp_draft_vocab,
                     "mtp_tree_alts": self.mtp_tree_alts}
-        if name == "sd-corpus-tree-fused":
+        if name in ("sd-corpus-tree-fused", "sd-corpus-tree-bf16w"):
             return {"corpus_tree_alts": self.corpus_tree_alts}
         if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
             return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
@@ -594,7 +598,7 @@ def run_bench(
                                              peers.servers[name].spec.flags(), check if own else None))
             continue
         if name in OUR_METHODS + LEAN_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + FUSED_METHODS + TREE_METHODS \
-                + HF_TREE_METHODS + FEATURE_METHODS + CORPUS_METHODS:
+                + HF_TREE_METHODS + FEATURE_METHODS + CORPUS_METHODS + BF16W_METHODS:
             # Target work: positions scored per new token (prompt included), and drafter forwards per token.
             entry.target_tokens_per_token = round(res.stats.target_tokens / max(1, res.tokens), 4)
             entry.drafter_forwards_per_token = round(res.stats.drafter_forwards / max(1, res.tokens), 4)
