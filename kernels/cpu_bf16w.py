@@ -43,6 +43,10 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def unavailable() -> str | None:
     """Why the kernel cannot run here (one line), or None when it can."""
     if sys.platform != "linux":
@@ -50,7 +54,7 @@ def unavailable() -> str | None:
     missing = {"avx512f", "avx512bw"} - _cpu_flags()
     if missing:
         return f"the bf16w kernel needs a CPU with AVX-512F and AVX-512BW; this one lacks {', '.join(sorted(missing))}"
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    if not _compiler():
         return "the bf16w kernel is compiled at start-up and no C compiler (cc, gcc or $CC) is on PATH"
     return None
 
@@ -60,7 +64,7 @@ def _lib() -> ctypes.CDLL:
     why = unavailable()
     if why:
         raise KernelUnavailable(why)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     tmp = tempfile.mkdtemp(prefix="specpilot-bf16w-")
     try:
         out = Path(tmp) / "libbf16w.so"

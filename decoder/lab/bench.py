@@ -70,14 +70,14 @@ HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 # Mechanism corpus-drafter (decoder/datastore.py): prompt lookup backed by the target's corpus datastore
 # (TARGET/drafters/corpus.npz from `specpilot train drafter --kind corpus`). Not in the default set (ask with
 # --methods); against ar-lean, drafting as long as the n-gram methods (--ngram-draft-len).
-CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused", "sd-corpus-tree-fused")
+CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused", "sd-corpus-tree-fused",
+                  "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w")
 # Mechanism fused-mlp on top of onednn-matmul: a prefill's MLP as two oneDNN matmuls with SiLU and the product fused.
 # Not in the default set; speedups against ar-lean-fused, so ar-lean-fused beside ar-lean is the forward's own gain.
 FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused", "sd-corpus-tree-fused")
 # Mechanism bf16w-matmul (kernels/cpu_bf16w.c): the weights held as bfloat16 and multiplied by the CPU kernel; float32
 # deployments of bf16 checkpoints on AVX-512 CPUs. Not in the default set; speedups against ar-lean-bf16w.
 BF16W_METHODS = ("ar-lean-bf16w", "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w")
-CORPUS_METHODS += BF16W_METHODS[1:]
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = tuple(dict.fromkeys(  # sd-corpus-lean-fused is a corpus method and a fused one: listed once
     ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS + BF16W_METHODS))
