@@ -72,6 +72,11 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
         why = bf16w_refusal(dtype or cfg.dtype)
         if why:
             return why
+    if cfg.fused_layer:
+        for role, conf in (("target", target), ("drafter", _text(drafter_config) if drafter_config else None)):
+            why = fused_layer_refusal(conf) if conf is not None and (role == "target" or uses_drafter_model) else None
+            if why:
+                return f"{role}: {why}"
     if cfg.weight_format == "w12" and dtype not in (None, "bfloat16"):
         return f"w12 weights pack bf16 weights; the model is loaded as {dtype} (use --dtype bfloat16)"
     if uses_drafter_model and drafter_config is not None:
@@ -80,6 +85,18 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
             return (f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv}); a drafter must "
                     f"share the target's tokenizer")
     return None
+
+
+def fused_layer_refusal(config) -> str | None:
+    """Why mechanism bf16w-fused-layer cannot run a model of this config (one line), or None: its two kernel calls
+    are a Llama-style layer (RMSNorm, SiLU MLP, full RoPE), as `LeanLM.fused_layer_refusal` finds on the loaded
+    model."""
+    mt = getattr(config, "model_type", "")
+    kind = (f"a {mt} model (its own norms)" if mt in ("gemma", "gemma2", "qwen3")
+            else f"activation {activation_name(config)!r}" if activation_name(config) not in ("silu", "swish")
+            else "a partial rotary" if (getattr(config, "partial_rotary_factor", None) or 1.0) < 1.0 else None)
+    return (f"fused_layer runs Llama-style layers (RMSNorm, SiLU MLP, full RoPE); this is {kind}: use fused_layer = "
+            f"false") if kind else None
 
 
 def bf16w_refusal(dtype: str) -> str | None:

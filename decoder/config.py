@@ -257,6 +257,9 @@ class DecodeConfig(ConfigTable):
     # Mechanism fused-mlp: lean forward calls of at least this many rows (a prefill) run the SiLU MLP as two oneDNN
     # matmuls with the activation and the product fused into them (0 = off; needs matmul_backend = "onednn").
     fused_mlp_rows: int = 0
+    # Mechanism bf16w-fused-layer: with matmul_backend = "bf16w", a Llama-style layer's work around attention at a
+    # step's few rows (up to 64) as two kernel calls instead of ~25 torch ops (kernels/cpu_bf16w.c).
+    fused_layer: bool = False
     cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
     # Batching mechanisms (decoder/batch.py; used by the batched engine only, all off in stock).
@@ -336,6 +339,8 @@ class DecodeConfig(ConfigTable):
             raise bad("matmul_backend", "the bf16w kernel runs on the CPU; use \"torch\" on " + repr(self.device))
         if not 0 <= self.fused_mlp_rows <= 65536:
             raise bad("fused_mlp_rows", "use 0 (off) or the fewest rows a fused call takes, up to 65536")
+        if self.fused_layer and self.matmul_backend != "bf16w":
+            raise bad("fused_layer", "it runs on the bf16w kernel; set matmul_backend = \"bf16w\" or use false")
         if self.fused_mlp_rows and self.matmul_backend != "onednn":
             raise bad("fused_mlp_rows", "it fuses into oneDNN's matmuls; set matmul_backend = \"onednn\" or use 0")
         if self.weight_format not in ("bf16", "w12"):

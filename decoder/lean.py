@@ -242,6 +242,7 @@ class LeanLM:
         self._bf16w: dict[int, tuple[torch.Tensor, int]] = {}  # mechanism bf16w-matmul: id(w) -> (panels, N)
         self._bf16w_store: tuple[tuple[int, ...], dict[int, tuple[torch.Tensor, int]]] | None = None
         self._fused_store: list | None = None
+        self.fused_layer = False  # mechanism bf16w-fused-layer: a layer's work around attention in two kernel calls
         self._fused_warm = ONEDNN_WARM_MAX + 1  # fused primitives are built from this many rows up
         self._head_ids: torch.Tensor | None = None  # draft-vocab on a draft model: the tokens its head scores
         self._head_rows: torch.Tensor | None = None
@@ -298,6 +299,60 @@ class LeanLM:
         self.matmul_backend, self._packed = backend, packed
         if self.fused_rows:
             self.set_fused_mlp_rows(self.fused_rows if packed else 0)
+        if self.fused_layer and backend != "bf16w":
+            self.fused_layer = False
+
+    def fused_layer_refusal(self) -> str | None:
+        """Why mechanism bf16w-fused-layer cannot run this model (one line), or None: the two kernel calls are a
+        Llama-style layer (RMSNorm, full RoPE, SiLU MLP, biases allowed), not Gemma's norms, Qwen3's q/k norms or
+        a partial rotary."""
+        ly = self.layers[0]
+        if self.norm != self._rms or self.act is not F.silu or self.rope != self._rope:
+            kind = ("Gemma's RMSNorm" if self.norm != self._rms else "a partial rotary" if self.rope != self._rope
+                    else f"activation {_activation_name(self.config)!r}")
+            return f"fused_layer runs Llama-style layers (RMSNorm, SiLU MLP, full RoPE); this model has {kind}"
+        if ly.q_norm is not None or ly.post_attn is not None or ly.post_mlp is not None:
+            return "fused_layer runs Llama-style layers; this model normalises q/k or the sublayer outputs"
+        return None
+
+    def set_fused_layer(self, on: bool) -> None:
+        """Mechanism bf16w-fused-layer: with matmul_backend "bf16w", calls of up to cpu_bf16w.MAX_ROWS rows run
+        each layer as two kernel calls around attention (norm, QKV, RoPE; then O, residual, norm, gate/up, SiLU and
+        product, down, residual) instead of ~25 torch ops, each a few microseconds of dispatch at a step's few
+        rows. Per-row float32 arithmetic in another order than torch's (forcing judges any changed token)."""
+        if on and self.matmul_backend != "bf16w":
+            raise LeanUnsupported("lean forward: fused_layer runs on the bf16w kernel's panels; set matmul_backend = "
+                                  "\"bf16w\" first")
+        why = self.fused_layer_refusal() if on else None
+        if why:
+            raise LeanUnsupported(f"lean forward: {why}; use fused_layer = false")
+        self.fused_layer = on
+
+    def _layer_fused(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attend: Attend) -> torch.Tensor:
+        """`layer` as two bf16w kernel calls around `attend` (mechanism bf16w-fused-layer); a prefill's many rows
+        (above cpu_bf16w.MAX_ROWS) multiply with F.linear and run the steps between as single passes."""
+        ly, w = self.layers[li], self._bf16w
+        many = x.shape[0] > cpu_bf16w.MAX_ROWS
+        if many:
+            qkv = cpu_bf16w.rope_(self.mm(cpu_bf16w.rms(x, ly.ln1, self.eps), ly.wqkv, ly.bqkv), cos, sin,
+                                  self.n_heads + self.n_kv, self.head_dim)
+        else:
+            qkv = cpu_bf16w.pre_attn(x, ly.ln1, self.eps, w[id(ly.wqkv)], ly.bqkv, cos, sin, self.n_heads,
+                                     self.n_kv, self.head_dim)
+        att = attend(li, *self._split_qkv(qkv))
+        if many:
+            y, h = cpu_bf16w.add_rms(x, self.mm(att, ly.wo, ly.bo), ly.ln2, self.eps)
+            return y.add_(self.mm(cpu_bf16w.silu_mul(self.mm(h, ly.wgu, ly.bgu)), ly.wdown, ly.bdown))
+        return cpu_bf16w.post_attn(x, att, w[id(ly.wo)], ly.bo, ly.ln2, self.eps, w[id(ly.wgu)], ly.bgu,
+                                   w[id(ly.wdown)], ly.bdown)
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused projections [T, (H + 2 KV) * hd] -> views q [T, H, hd], k and v [T, KV, hd]."""
+        t = qkv.shape[0]
+        return (qkv[:, : self.q_size].view(t, self.n_heads, self.head_dim),
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.n_kv, self.head_dim),
+                qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.head_dim))
 
     def _pack_bf16w(self) -> dict[int, tuple[torch.Tensor, int]]:
         """Mechanism bf16w-matmul: every matmul weight as the CPU kernel's bf16 panels (kernels/cpu_bf16w.py), kept
@@ -455,12 +510,11 @@ class LeanLM:
         batched): norm, fused QKV, RoPE (cos, sin [T, 1, rot]), `attend`, output projection, norm, fused
         gate/up MLP. `attend(li, q [T, H, hd], k [T, KV, hd], v [T, KV, hd])` stores k and v where its
         cache keeps them and returns the attention output [T, H * hd] (with layer li's window)."""
-        ly = self.layers[li]
         t = x.shape[0]
-        qkv = self.mm(self.norm(x, ly.ln1), ly.wqkv, ly.bqkv)  # [T, (H+2KV)*hd]
-        q = qkv[:, : self.q_size].view(t, self.n_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.n_kv, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.head_dim)
+        if self.fused_layer:
+            return self._layer_fused(li, x, cos, sin, attend)
+        ly = self.layers[li]
+        q, k, v = self._split_qkv(self.mm(self.norm(x, ly.ln1), ly.wqkv, ly.bqkv))  # from [T, (H+2KV)*hd]
         if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
             q, k = self._rms(q, ly.q_norm), self._rms(k, ly.k_norm)
         o = self.mm(attend(li, self.rope(q, cos, sin), self.rope(k, cos, sin), v), ly.wo, ly.bo)

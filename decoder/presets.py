@@ -49,6 +49,12 @@ PRESETS: dict[str, dict] = {
                              "matmul_backend": "bf16w"},
     "sd-corpus-tree-bf16w": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                              "matmul_backend": "bf16w", "corpus_tree_alts": CORPUS_TREE_ALTS},
+    # Mechanism bf16w-fused-layer on top: a layer's work around attention as two kernel calls at a step's few rows.
+    "ar-lean-layer": {"method": "ar", "lean_forward": True, "matmul_backend": "bf16w", "fused_layer": True},
+    "sd-corpus-lean-layer": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                             "matmul_backend": "bf16w", "fused_layer": True},
+    "sd-corpus-tree-layer": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                             "matmul_backend": "bf16w", "fused_layer": True, "corpus_tree_alts": CORPUS_TREE_ALTS},
     # Mechanism fused-mlp on top of onednn-matmul: from FUSED_MLP_ROWS rows (a prefill), the MLP's SiLU and product
     # ride on oneDNN's matmuls.
     "ar-lean-fused": {"method": "ar", "lean_forward": True, "matmul_backend": "onednn",

@@ -12,6 +12,7 @@
  * process (torch's own runtime: the library is loaded after torch).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -77,4 +78,129 @@ void bf16w_linear(const float *x, int M, int K, const uint16_t *wp, int N, const
             }
         }
     }
+}
+
+/* Mechanism bf16w-fused-layer: a decoder layer's work around attention in two calls instead of ~25 torch ops.
+ *
+ * At the few rows of a decode or verify step each torch op costs a few microseconds of dispatch whatever its size,
+ * and a Llama-style layer runs ~25 of them besides attention (norms, RoPE, residual adds, SiLU and product, the
+ * splits). `bf16w_pre_attn` runs norm -> QKV projection -> RoPE on q and k; `bf16w_post_attn` runs output
+ * projection -> residual -> norm -> gate/up projection -> SiLU(g) * u -> down projection -> residual. Every step
+ * is per row, so a row's result does not depend on the other rows of the call (as `bf16w_linear`). */
+
+/* exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial (error under one ulp of
+ * float32 on that range), scaled by 2^n. Inputs clamped to [-87, 88] (SiLU only needs exp(-g) to over/underflow
+ * gracefully: g / (1 + exp(-g)) is then ~0 or g). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9841270e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3888889e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[d] = w[d] * (x[d] / sqrt(mean(x^2) + eps)), as Llama's RMSNorm in float32. */
+static void rms_row(const float *x, int D, const float *w, float eps, float *out) {
+    __m512 acc = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m512 v = _mm512_loadu_ps(x + d);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; d < D; d++) ss += x[d] * x[d];
+    float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (d = 0; d < D; d++) out[d] = w[d] * (x[d] * r);
+}
+
+/* One head's rotary embedding in place: with half = hd / 2, (a, b) = (x[i], x[i + half]) becomes
+ * (a cos[i] - b sin[i], b cos[i + half] + a sin[i + half]), as x * cos + rotate_half(x) * sin. */
+static void rope_head(float *x, const float *c, const float *s, int hd) {
+    int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] + -b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+/* a[i] = g[i] / (1 + exp(-g[i])) * u[i] for gu = [g (I) | u (I)]. */
+static void silu_mul_row(const float *gu, int I, float *a) {
+    int i = 0;
+    for (; i + 16 <= I; i += 16) {
+        __m512 g = _mm512_loadu_ps(gu + i), u = _mm512_loadu_ps(gu + I + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(s, u));
+    }
+    for (; i < I; i++) a[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
+}
+
+/* The same steps one at a time for a prefill's many rows, whose matmuls run faster in the BLAS than in the
+ * few-row kernel above: each a single pass over its rows, split over the OpenMP threads. */
+
+/* gu [T][2I] -> a [T][I] = silu(g) * u. */
+void bf16w_silu_mul(const float *gu, int T, int I, float *a) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) silu_mul_row(gu + (size_t)t * 2 * I, I, a + (size_t)t * I);
+}
+
+/* x [T][D] -> out [T][D] = rms(x) * w. */
+void bf16w_rms(const float *x, int T, int D, const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) rms_row(x + (size_t)t * D, D, w, eps, out + (size_t)t * D);
+}
+
+/* y = x + o, h = rms(y) * w, all [T][D]. */
+void bf16w_add_rms(const float *x, const float *o, int T, int D, const float *w, float eps, float *y, float *h) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        size_t r = (size_t)t * D;
+        for (int d = 0; d < D; d++) y[r + d] = x[r + d] + o[r + d];
+        rms_row(y + r, D, w, eps, h + r);
+    }
+}
+
+/* RoPE in place on qkv [T][N]: the first nq + nk heads of hd values of row t, with cos/sin [T][hd]. */
+void bf16w_rope(float *qkv, int T, int N, const float *cos, const float *sin, int nheads, int hd) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < nheads; j++)
+            rope_head(qkv + (size_t)t * N + (size_t)j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
+}
+
+/* x [T][D] -> qkv [T][N] = rope(rms(x) Wqkv^T + b): the first nq heads (q) and the next nk (k) of hd values each
+ * rotated with row t's cos/sin [T][hd]; the rest of the row (v) as projected. h [T][D] is scratch. */
+void bf16w_pre_attn(const float *x, int T, int D, const float *ln, float eps, const uint16_t *wqkv, int N,
+                    const float *bias, const float *cos, const float *sin, int nq, int nk, int hd, float *h,
+                    float *qkv) {
+    for (int t = 0; t < T; t++) rms_row(x + (size_t)t * D, D, ln, eps, h + (size_t)t * D);
+    bf16w_linear(h, T, D, wqkv, N, bias, qkv);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < nq + nk; j++)
+            rope_head(qkv + (size_t)t * N + (size_t)j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
+}
+
+/* The layer after attention: y = x + att Wo^T + bo; y += down(silu(g) * u) where [g | u] = rms(y) Wgu^T + bgu.
+ * x [T][D], att [T][QS] -> y [T][D]; h [T][D], gu [T][2I], a [T][I] are scratch. */
+void bf16w_post_attn(const float *x, const float *att, int T, int D, int QS, const uint16_t *wo, const float *bo,
+                     const float *ln, float eps, const uint16_t *wgu, const float *bgu, int I, const uint16_t *wd,
+                     const float *bd, float *y, float *h, float *gu, float *a) {
+    size_t n = (size_t)T * D;
+    bf16w_linear(att, T, QS, wo, D, bo, y);
+    for (size_t i = 0; i < n; i++) y[i] = x[i] + y[i];
+    for (int t = 0; t < T; t++) rms_row(y + (size_t)t * D, D, ln, eps, h + (size_t)t * D);
+    bf16w_linear(h, T, D, wgu, 2 * I, bgu, gu);
+    for (int t = 0; t < T; t++) silu_mul_row(gu + (size_t)t * 2 * I, I, a + (size_t)t * I);
+    bf16w_linear(a, T, I, wd, D, bd, h);
+    for (size_t i = 0; i < n; i++) y[i] += h[i];
 }

@@ -80,6 +80,17 @@ def _lib() -> ctypes.CDLL:
     lib.bf16w_pack.restype = None
     lib.bf16w_linear.argtypes = [p, i, i, p, i, p, p]
     lib.bf16w_linear.restype = None
+    f = ctypes.c_float
+    lib.bf16w_pre_attn.argtypes = [p, i, i, p, f, p, i, p, p, p, i, i, i, p, p]
+    lib.bf16w_pre_attn.restype = None
+    lib.bf16w_post_attn.argtypes = [p, p, i, i, i, p, p, p, f, p, p, i, p, p, p, p, p, p]
+    lib.bf16w_post_attn.restype = None
+    lib.bf16w_silu_mul.argtypes = [p, i, i, p]
+    lib.bf16w_rms.argtypes = [p, i, i, p, f, p]
+    lib.bf16w_add_rms.argtypes = [p, p, i, i, p, f, p, p]
+    lib.bf16w_rope.argtypes = [p, i, i, p, p, i, i]
+    for fn in (lib.bf16w_silu_mul, lib.bf16w_rms, lib.bf16w_add_rms, lib.bf16w_rope):
+        fn.restype = None
     return lib
 
 
@@ -114,4 +125,94 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     b = bias.float().contiguous() if bias is not None else None
     _lib().bf16w_linear(x.data_ptr(), m, k, panels.data_ptr(), n, b.data_ptr() if b is not None else None,
                         y.data_ptr())
+    return y
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """[g | u] [T, 2I] float32 -> silu(g) * u [T, I], as the fused layer computes it (its exp a polynomial)."""
+    gu = gu.float().contiguous()
+    t, n = gu.shape
+    out = torch.empty(t, n // 2, dtype=torch.float32)
+    _lib().bf16w_silu_mul(gu.data_ptr(), t, n // 2, out.data_ptr())
+    return out
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of x [T, D] float32 scaled by w [D], in one pass."""
+    x, w = x.contiguous(), _f32(w)
+    out = torch.empty_like(x)
+    _lib().bf16w_rms(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def add_rms(x: torch.Tensor, o: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) = (x + o, RMSNorm(x + o) * w) for x, o [T, D] float32, in one pass."""
+    x, o, w = x.contiguous(), o.contiguous(), _f32(w)
+    if o.shape != x.shape:
+        raise ValueError(f"add_rms: x {tuple(x.shape)} and o {tuple(o.shape)} differ")
+    y, h = torch.empty_like(x), torch.empty_like(x)
+    _lib().bf16w_add_rms(x.data_ptr(), o.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), eps, y.data_ptr(),
+                         h.data_ptr())
+    return y, h
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nheads: int, hd: int) -> torch.Tensor:
+    """RoPE in place on the first `nheads` heads (hd values each) of every row of qkv [T, N] (contiguous
+    float32), row t by cos/sin [T, hd]; returns qkv."""
+    t, n = qkv.shape
+    if not qkv.is_contiguous() or cos.numel() != t * hd or nheads * hd > n:
+        raise ValueError(f"rope_: qkv {tuple(qkv.shape)} (contiguous), cos of {cos.numel()} values for {t} x {hd}, "
+                         f"{nheads} heads of {hd}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _lib().bf16w_rope(qkv.data_ptr(), t, n, cos.data_ptr(), sin.data_ptr(), nheads, hd)
+    return qkv
+
+
+def pre_attn(x: torch.Tensor, ln: torch.Tensor, eps: float, wqkv: tuple[torch.Tensor, int], bias: torch.Tensor | None,
+             cos: torch.Tensor, sin: torch.Tensor, nq: int, nk: int, hd: int) -> torch.Tensor:
+    """Mechanism bf16w-fused-layer, before attention: x [T, D] float32 -> rope(rms(x) * ln @ Wqkv^T + bias) [T, N]
+    in one call; q's nq and k's nk heads (hd values each, first in a row) rotated by cos/sin [T, hd]."""
+    x = x.contiguous()
+    t, d = x.shape
+    panels, n = wqkv
+    if t > MAX_ROWS or cos.numel() != t * hd or (nq + nk) * hd > n:
+        raise ValueError(f"bf16w pre_attn: {t} rows (at most {MAX_ROWS}), cos of {cos.numel()} values for {t} x "
+                         f"{hd}, {nq} + {nk} heads of {hd} in {n} outputs")
+    h = torch.empty(t, d, dtype=torch.float32)
+    out = torch.empty(t, n, dtype=torch.float32)
+    cos, sin, ln, bias = cos.contiguous(), sin.contiguous(), _f32(ln), _f32(bias)
+    _lib().bf16w_pre_attn(x.data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), n, _ptr(bias), cos.data_ptr(),
+                          sin.data_ptr(), nq, nk, hd, h.data_ptr(), out.data_ptr())
+    return out
+
+
+def post_attn(x: torch.Tensor, att: torch.Tensor, wo: tuple[torch.Tensor, int], bo: torch.Tensor | None,
+              ln: torch.Tensor, eps: float, wgu: tuple[torch.Tensor, int], bgu: torch.Tensor | None,
+              wdown: tuple[torch.Tensor, int], bdown: torch.Tensor | None) -> torch.Tensor:
+    """Mechanism bf16w-fused-layer, after attention: y = x + att Wo^T + bo, then y + down(silu(g) * u) with
+    [g | u] = rms(y) * ln @ Wgu^T + bgu, in one call (x [T, D], att [T, QS] float32 -> y [T, D])."""
+    x, att = x.contiguous(), att.contiguous()
+    t, d = x.shape
+    qs = att.shape[1]
+    (po, no), (pgu, ngu), (pd, nd) = wo, wgu, wdown
+    if t > MAX_ROWS or att.shape[0] != t or no != d or nd != d or ngu % 2:
+        raise ValueError(f"bf16w post_attn: x {tuple(x.shape)} (at most {MAX_ROWS} rows), att {tuple(att.shape)}, "
+                         f"outputs {no} / {ngu} / {nd}")
+    inter = ngu // 2
+    y = torch.empty(t, d, dtype=torch.float32)
+    h = torch.empty(t, d, dtype=torch.float32)
+    gu = torch.empty(t, ngu, dtype=torch.float32)
+    a = torch.empty(t, inter, dtype=torch.float32)
+    ln, bo, bgu, bdown = _f32(ln), _f32(bo), _f32(bgu), _f32(bdown)
+    _lib().bf16w_post_attn(x.data_ptr(), att.data_ptr(), t, d, qs, po.data_ptr(), _ptr(bo), ln.data_ptr(), eps,
+                           pgu.data_ptr(), _ptr(bgu), inter, pd.data_ptr(), _ptr(bdown), y.data_ptr(), h.data_ptr(),
+                           gu.data_ptr(), a.data_ptr())
     return y

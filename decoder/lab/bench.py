@@ -71,23 +71,27 @@ HF_METHODS = ("hf-greedy", "hf-assisted-draft-model", "hf-prompt-lookup")
 # (TARGET/drafters/corpus.npz from `specpilot train drafter --kind corpus`). Not in the default set (ask with
 # --methods); against ar-lean, drafting as long as the n-gram methods (--ngram-draft-len).
 CORPUS_METHODS = ("sd-corpus-lean", "sd-corpus-lean-dnn", "sd-corpus-lean-fused", "sd-corpus-tree-fused",
-                  "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w")
+                  "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w", "sd-corpus-lean-layer", "sd-corpus-tree-layer")
 # Mechanism fused-mlp on top of onednn-matmul: a prefill's MLP as two oneDNN matmuls with SiLU and the product fused.
 # Not in the default set; speedups against ar-lean-fused, so ar-lean-fused beside ar-lean is the forward's own gain.
 FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused", "sd-corpus-tree-fused")
 # Mechanism bf16w-matmul (kernels/cpu_bf16w.c): the weights held as bfloat16 and multiplied by the CPU kernel; float32
 # deployments of bf16 checkpoints on AVX-512 CPUs. Not in the default set; speedups against ar-lean-bf16w.
 BF16W_METHODS = ("ar-lean-bf16w", "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w")
+# Mechanism bf16w-fused-layer on top of it: each layer's work around attention as two kernel calls at a step's few
+# rows. Not in the default set; speedups against ar-lean-layer.
+LAYER_METHODS = ("ar-lean-layer", "sd-corpus-lean-layer", "sd-corpus-tree-layer")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = tuple(dict.fromkeys(  # sd-corpus-lean-fused is a corpus method and a fused one: listed once
-    ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS + BF16W_METHODS))
+    ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS + BF16W_METHODS
+    + LAYER_METHODS))
 DRAFT_MODEL_METHODS = ("sd-draft-model", "sd-draft-model-lean", "sd-draft-model-w12", "sd-draft-model-lean-t",
                        "sd-draft-model-lean-dnn", "sd-draft-model-vocab-dnn", "sd-tree-dnn", "sd-two-level-dnn",
                        "sd-dcut-dnn",
                        "hf-assisted-draft-model",
                        *TREE_METHODS, *HF_TREE_METHODS)
 VARIANT_BASELINE = {"lean": "ar-lean", "w12": "ar-w12", "t": "ar-lean-t", "dnn": "ar-lean-dnn",
-                    "fused": "ar-lean-fused", "bf16w": "ar-lean-bf16w"}
+                    "fused": "ar-lean-fused", "bf16w": "ar-lean-bf16w", "layer": "ar-lean-layer"}
 
 
 RANKED_METHODS = ("sd-draft-model-vocab-dnn",)  # need the target's token ranking, not its feature drafters
@@ -172,7 +176,7 @@ class FeatureSettings:
         if name == "sd-mtp-tree":
             return {"draft_len": self.mtp_draft_len, "draft_vocab": self.mtp_draft_vocab,
                     "mtp_tree_alts": self.mtp_tree_alts}
-        if name in ("sd-corpus-tree-fused", "sd-corpus-tree-bf16w"):
+        if name in ("sd-corpus-tree-fused", "sd-corpus-tree-bf16w", "sd-corpus-tree-layer"):
             return {"corpus_tree_alts": self.corpus_tree_alts}
         if name == "sd-routed":  # one draft length for whichever drafter a request is routed to
             return {"draft_len": self.mtp_draft_len if "mtp" in (self.route_code, self.route_prose)
