@@ -162,13 +162,14 @@ class BatchLM:
         cos = lean.cos.index_select(0, rope_pos)[:, None, :]  # [T, 1, rot]
         sin = lean.sin.index_select(0, rope_pos)[:, None, :]
         x = lean.embed_ids(ids)  # [T, D]
-        qpad = torch.zeros(n_range * qmax, lean.n_heads, lean.head_dim, dtype=self.dtype, device=dev)
 
         # A causal prefill attends request by request over its own rows: the padded layout would pay for every
         # request's padding (attention's cost grows with the square of the widest prompt; 29% of a prefill's
         # attention on eight ~250-token prompts), and each request's causal attention needs no other's rows.
         per_request = causal and R > 1 and lean.attn_softcap is None
         bounds = [0, *itertools.accumulate(qlens)]
+        qpad = None if per_request else torch.zeros(n_range * qmax, lean.n_heads, lean.head_dim, dtype=self.dtype,
+                                                    device=dev)
 
         def attend(li: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
             cache.k[li][row_slot, :, pos] = kh  # [T, KV, hd] into (slot, :, pos)

@@ -319,7 +319,8 @@ class LeanLM:
         """Mechanism bf16w-fused-layer: with matmul_backend "bf16w", calls of up to cpu_bf16w.MAX_ROWS rows run
         each layer as two kernel calls around attention (norm, QKV, RoPE; then O, residual, norm, gate/up, SiLU and
         product, down, residual) instead of ~25 torch ops, each a few microseconds of dispatch at a step's few
-        rows. Per-row float32 arithmetic in another order than torch's (forcing judges any changed token)."""
+        rows; a prefill's many rows run the steps between F.linear's matmuls as single passes. Per-row float32
+        arithmetic in another order than torch's (forcing judges any changed token)."""
         if on and self.matmul_backend != "bf16w":
             raise LeanUnsupported("lean forward: fused_layer runs on the bf16w kernel's panels; set matmul_backend = "
                                   "\"bf16w\" first")
