@@ -12,7 +12,9 @@ from decoder.batch import BatchEngine, BatchLM, Request
 from decoder.capabilities import refusal
 from decoder.config import ConfigError, DecodeConfig
 from decoder.generate import generate
+from decoder.lab.batch_bench import forward_of
 from decoder.lean import LeanLM, LeanUnsupported
+from decoder.presets import preset_config
 from kernels import cpu_bf16w
 from tests.test_lean_archs import _model
 
@@ -129,3 +131,10 @@ def test_silu_of_the_fused_layer_is_within_two_ulp_of_float64():
     assert torch.isfinite(got).all()
     rel = ((got - ref).abs() / ref.abs().clamp_min(1e-30))[ref.abs() > 1e-30]
     assert rel.max().item() <= 4 * 2 ** -24
+
+
+def test_the_batched_bench_divides_a_layer_method_by_ar_on_the_fused_layer():
+    """A `*-layer` method's "same forward" batched AR runs the fused layer too (session 34 first measured it
+    against AR without it: 3.12x at B = 1 and 1.66x at B = 8 where AR on the fused layer gives 2.19x and 1.46x)."""
+    f = forward_of(preset_config("sd-corpus-lean-layer", DecodeConfig(dtype="float32")))
+    assert f["fused_layer"] is True and f["matmul_backend"] == "bf16w"
