@@ -183,11 +183,9 @@ void bf16w_rope(float *qkv, int T, int N, const float *cos, const float *sin, in
 void bf16w_pre_attn(const float *x, int T, int D, const float *ln, float eps, const uint16_t *wqkv, int N,
                     const float *bias, const float *cos, const float *sin, int nq, int nk, int hd, float *h,
                     float *qkv) {
-    for (int t = 0; t < T; t++) rms_row(x + (size_t)t * D, D, ln, eps, h + (size_t)t * D);
+    bf16w_rms(x, T, D, ln, eps, h);
     bf16w_linear(h, T, D, wqkv, N, bias, qkv);
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < nq + nk; j++)
-            rope_head(qkv + (size_t)t * N + (size_t)j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
+    bf16w_rope(qkv, T, N, cos, sin, nq + nk, hd);
 }
 
 /* The layer after attention: y = x + att Wo^T + bo; y += down(silu(g) * u) where [g | u] = rms(y) Wgu^T + bgu.
