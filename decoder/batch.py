@@ -325,7 +325,7 @@ class BatchEngine:
         if cfg.method == "sd" and uses_model:
             self.drafter = drafter_model if isinstance(drafter_model, BatchLM) else BatchLM(drafter_model)
             self.draft_cost = _n_params(self.drafter.lean) / _n_params(self.target.lean)
-        # Mechanisms transposed-matmul, onednn-matmul, fused-mlp, bf16w-fused-layer: this config decides.
+        # Mechanisms transposed-matmul, onednn-matmul, fused-mlp, bf16w-matmul, bf16w-fused-layer: this config decides.
         for lm in (self.target, self.drafter):
             if lm is not None and lm.lean.t_rows != cfg.matmul_t_rows:
                 lm.lean.set_transposed_rows(cfg.matmul_t_rows)
@@ -333,6 +333,8 @@ class BatchEngine:
                 lm.lean.set_matmul_backend(cfg.matmul_backend)
             if lm is not None and lm.lean.fused_rows != cfg.fused_mlp_rows:  # mechanism fused-mlp
                 lm.lean.set_fused_mlp_rows(cfg.fused_mlp_rows)
+            if lm is not None and lm.lean.bf16w_rows != cfg.bf16w_rows:  # mechanism bf16w-matmul
+                lm.lean.set_bf16w_rows(cfg.bf16w_rows)
             if lm is not None and lm.lean.fused_layer != cfg.fused_layer:  # mechanism bf16w-fused-layer
                 lm.lean.set_fused_layer(cfg.fused_layer)
         self.capture = None

@@ -72,6 +72,9 @@ def refusal(cfg: DecodeConfig, target_config, drafter_config=None, dtype: str | 
         why = bf16w_refusal(dtype or cfg.dtype)
         if why:
             return why
+    if cfg.fused_layer and (dtype or cfg.dtype) not in ("float32", "bfloat16"):
+        return (f"fused_layer runs float32 or bfloat16 layers; the model is loaded as {dtype or cfg.dtype}: use "
+                f"dtype = \"float32\" or \"bfloat16\", or fused_layer = false")
     if cfg.fused_layer:
         for role, conf in (("target", target), ("drafter", _text(drafter_config) if drafter_config else None)):
             why = fused_layer_refusal(conf) if conf is not None and (role == "target" or uses_drafter_model) else None
@@ -104,9 +107,9 @@ def bf16w_refusal(dtype: str) -> str | None:
     hold exactly is found only when the weights are packed: LeanUnsupported then)."""
     from kernels.cpu_bf16w import unavailable  # a seam: the command lines start without torch (it imports torch)
 
-    if dtype != "float32":
-        return (f'matmul_backend = "bf16w" multiplies float32 activations; the model is loaded as {dtype}: use '
-                f'dtype = "float32" or matmul_backend = "torch"')
+    if dtype not in ("float32", "bfloat16"):
+        return (f'matmul_backend = "bf16w" multiplies float32 or bfloat16 activations; the model is loaded as '
+                f'{dtype}: use dtype = "float32" or "bfloat16", or matmul_backend = "torch"')
     why = unavailable()
     return f'matmul_backend = "bf16w": {why}; use matmul_backend = "torch"' if why else None
 

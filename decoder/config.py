@@ -260,6 +260,10 @@ class DecodeConfig(ConfigTable):
     # Mechanism bf16w-fused-layer: with matmul_backend = "bf16w", a Llama-style layer's work around attention at a
     # step's few rows (up to 64) as two kernel calls instead of ~25 torch ops (kernels/cpu_bf16w.c).
     fused_layer: bool = False
+    # Mechanism bf16w-matmul: calls of up to this many rows run on the bf16w kernel, more rows on F.linear (1-64).
+    # Where torch's own matmuls are fast at a verify's rows (a bfloat16 deployment on a CPU with AVX512-BF16 dot
+    # products, or AMX) the kernel pays only at the fewest rows.
+    bf16w_rows: int = 64
     cuda_graphs: bool = False  # mechanism cuda-graphs: static bucketed steps (decoder/lean.py), captured on CUDA
     weight_format: str = "bf16"  # mechanism w12-weights: "w12" swaps the target's linears (kernels/w12.py)
     # Batching mechanisms (decoder/batch.py; used by the batched engine only, all off in stock).
@@ -339,6 +343,10 @@ class DecodeConfig(ConfigTable):
             raise bad("matmul_backend", "the bf16w kernel runs on the CPU; use \"torch\" on " + repr(self.device))
         if not 0 <= self.fused_mlp_rows <= 65536:
             raise bad("fused_mlp_rows", "use 0 (off) or the fewest rows a fused call takes, up to 65536")
+        if not 1 <= self.bf16w_rows <= 64:
+            raise bad("bf16w_rows", "use 1 to 64: the most rows a call runs on the bf16w kernel")
+        if self.bf16w_rows != 64 and self.matmul_backend != "bf16w":
+            raise bad("bf16w_rows", "it limits the bf16w kernel; set matmul_backend = \"bf16w\" or use 64")
         if self.fused_layer and self.matmul_backend != "bf16w":
             raise bad("fused_layer", "it runs on the bf16w kernel; set matmul_backend = \"bf16w\" or use false")
         if self.fused_mlp_rows and self.matmul_backend != "onednn":

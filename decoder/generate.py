@@ -266,7 +266,7 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
         # Built once per model and kept: fusing the projections copies every weight.
         per_model = _LEAN.setdefault(m, {})
         key = (cfg.cuda_graphs, cfg.matmul_t_rows, cfg.matmul_backend, cfg.fused_mlp_rows, cfg.fused_layer,
-               None if head_ids is None else head_ids.shape[0])
+               cfg.bf16w_rows, None if head_ids is None else head_ids.shape[0])
         if key not in per_model:
             runner = LeanLM(m)
             if head_ids is not None:  # first: the matmul mechanisms below then copy the pruned head once
@@ -274,6 +274,7 @@ def generate(cfg: DecodeConfig, target, prompt: list[int], drafter_model=None, p
             runner.set_transposed_rows(cfg.matmul_t_rows)
             runner.set_matmul_backend(cfg.matmul_backend)
             runner.set_fused_mlp_rows(cfg.fused_mlp_rows)
+            runner.set_bf16w_rows(cfg.bf16w_rows)
             runner.set_fused_layer(cfg.fused_layer)
             per_model[key] = StaticLeanLM(runner) if cfg.cuda_graphs else runner
         return per_model[key]

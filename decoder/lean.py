@@ -242,7 +242,9 @@ class LeanLM:
         self._bf16w: dict[int, tuple[torch.Tensor, int]] = {}  # mechanism bf16w-matmul: id(w) -> (panels, N)
         self._bf16w_store: tuple[tuple[int, ...], dict[int, tuple[torch.Tensor, int]]] | None = None
         self._fused_store: list | None = None
+        self.bf16w_rows = cpu_bf16w.MAX_ROWS  # mechanism bf16w-matmul: calls of more rows run on F.linear
         self.fused_layer = False  # mechanism bf16w-fused-layer: a layer's work around attention in two kernel calls
+        self._cos32: tuple = (None,)  # the fused layer on a bfloat16 model: (cos, its float32 copy, sin's)
         self._fused_warm = ONEDNN_WARM_MAX + 1  # fused primitives are built from this many rows up
         self._head_ids: torch.Tensor | None = None  # draft-vocab on a draft model: the tokens its head scores
         self._head_rows: torch.Tensor | None = None
@@ -313,14 +315,25 @@ class LeanLM:
             return f"fused_layer runs Llama-style layers (RMSNorm, SiLU MLP, full RoPE); this model has {kind}"
         if ly.q_norm is not None or ly.post_attn is not None or ly.post_mlp is not None:
             return "fused_layer runs Llama-style layers; this model normalises q/k or the sublayer outputs"
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            return (f"fused_layer runs float32 or bfloat16 layers; this model is loaded as "
+                    f"{str(self.dtype).removeprefix('torch.')}")
         return None
+
+    def set_bf16w_rows(self, rows: int) -> None:
+        """Mechanism bf16w-matmul: calls of up to `rows` rows (1 to cpu_bf16w.MAX_ROWS) run on the bf16w kernel,
+        wider ones on F.linear (and, with the fused layer, op by op between F.linear's matmuls)."""
+        if not 1 <= rows <= cpu_bf16w.MAX_ROWS:
+            raise LeanUnsupported(f"lean forward: bf16w_rows = {rows}: use 1 to {cpu_bf16w.MAX_ROWS}")
+        self.bf16w_rows = rows
 
     def set_fused_layer(self, on: bool) -> None:
         """Mechanism bf16w-fused-layer: with matmul_backend "bf16w", calls of up to cpu_bf16w.MAX_ROWS rows run
         each layer as two kernel calls around attention (norm, QKV, RoPE; then O, residual, norm, gate/up, SiLU and
         product, down, residual) instead of ~25 torch ops, each a few microseconds of dispatch at a step's few
-        rows; a prefill's many rows run the steps between F.linear's matmuls as single passes. Per-row float32
-        arithmetic in another order than torch's (forcing judges any changed token)."""
+        rows; a float32 prefill's many rows run the steps between F.linear's matmuls as single passes (a bfloat16
+        one runs op by op). Per-row float32 arithmetic in another order than torch's, on a bfloat16 model rounded
+        where its op-by-op layer rounds (forcing judges any changed token)."""
         if on and self.matmul_backend != "bf16w":
             raise LeanUnsupported("lean forward: fused_layer runs on the bf16w kernel's panels; set matmul_backend = "
                                   "\"bf16w\" first")
@@ -334,7 +347,11 @@ class LeanLM:
         """`layer` as two bf16w kernel calls around `attend` (mechanism bf16w-fused-layer); a prefill's many rows
         (above cpu_bf16w.MAX_ROWS) multiply with F.linear and run the steps between as single passes."""
         ly, w = self.layers[li], self._bf16w
-        many = x.shape[0] > cpu_bf16w.MAX_ROWS
+        many = x.shape[0] > self.bf16w_rows  # float32 only: a bfloat16 prefill runs the op-by-op layer
+        if cos.dtype != torch.float32:  # a bfloat16 model's tables, widened (exactly) once per forward
+            if self._cos32[0] is not cos:
+                self._cos32 = (cos, cos.float(), sin.float())
+            cos, sin = self._cos32[1:]
         if many:
             qkv = cpu_bf16w.rope_(self.mm(cpu_bf16w.rms(x, ly.ln1, self.eps), ly.wqkv, ly.bqkv), cos, sin,
                                   self.n_heads + self.n_kv, self.head_dim)
@@ -361,10 +378,10 @@ class LeanLM:
         key = tuple(id(w) for w in self._matmul_weights())
         if self._bf16w_store is not None and self._bf16w_store[0] == key:
             return self._bf16w_store[1]
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise LeanUnsupported(f"lean forward: matmul_backend = \"bf16w\" multiplies float32 activations on the "
-                                  f"CPU, not {self.dtype} on {self.device.type}; use dtype = \"float32\" on the CPU "
-                                  f"or matmul_backend = \"torch\"")
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            raise LeanUnsupported(f"lean forward: matmul_backend = \"bf16w\" multiplies float32 or bfloat16 "
+                                  f"activations on the CPU, not {self.dtype} on {self.device.type}; use dtype = "
+                                  f"\"float32\" or \"bfloat16\" on the CPU or matmul_backend = \"torch\"")
         try:
             packed = {id(w): (cpu_bf16w.pack(w), w.shape[0]) for w in self._matmul_weights()}
         except (ValueError, cpu_bf16w.KernelUnavailable) as e:
@@ -419,12 +436,12 @@ class LeanLM:
 
     def mm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] @ w [out, in]^T (+ b): the transposed copy at up to `t_rows` rows, else the bf16 panels at up
-        to cpu_bf16w.MAX_ROWS rows when the backend is "bf16w", else oneDNN's packed weight when it is "onednn",
+        to `bf16w_rows` rows when the backend is "bf16w", else oneDNN's packed weight when it is "onednn",
         else F.linear."""
         if x.shape[0] <= self.t_rows:
             y = x @ self._wt[id(w)]
             return y if b is None else y + b
-        if self._bf16w and x.shape[0] <= cpu_bf16w.MAX_ROWS:
+        if self._bf16w and x.shape[0] <= self.bf16w_rows:
             panels, n = self._bf16w[id(w)]
             return cpu_bf16w.linear(x, panels, n, b)
         if self._packed:
@@ -512,7 +529,7 @@ class LeanLM:
         gate/up MLP. `attend(li, q [T, H, hd], k [T, KV, hd], v [T, KV, hd])` stores k and v where its
         cache keeps them and returns the attention output [T, H * hd] (with layer li's window)."""
         t = x.shape[0]
-        if self.fused_layer:
+        if self.fused_layer and (t <= self.bf16w_rows or self.dtype == torch.float32):
             return self._layer_fused(li, x, cos, sin, attend)
         ly = self.layers[li]
         q, k, v = self._split_qkv(self.mm(self.norm(x, ly.ln1), ly.wqkv, ly.bqkv))  # from [T, (H+2KV)*hd]

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_RB 12
 
@@ -60,8 +61,28 @@ void bf16w_pack(const uint16_t *w, int N, int K, uint16_t *out) {
             }
 }
 
-/* x [M][K] float32 (contiguous), packed W, bias [N] or NULL -> y [M][N] float32 (contiguous). */
-void bf16w_linear(const float *x, int M, int K, const uint16_t *wp, int N, const float *bias, float *y) {
+/* float32 -> bfloat16 bits, nearest with ties to even (torch's conversion; a NaN stays a NaN). */
+static inline uint16_t to_bf16(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return (uint16_t)(isnan(v) ? 0x7fc0 : (b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+/* v rounded to the nearest bfloat16 value, kept as float32: where a bfloat16 torch op rounds its result. */
+static inline float rb(float v) { return from_bf16(to_bf16(v)); }
+
+/* x [M][K] float32, packed W, bias [N] or NULL -> y [M][N]: float32 into yf (each rounded to a bfloat16 value when
+ * round_f), or (yf NULL) each output rounded to bfloat16 (nearest, ties to even, as torch's conversion) into yb
+ * after the bias is added in float32. */
+static void linear_rows(const float *x, int M, int K, const uint16_t *wp, int N, const float *bias, float *yf,
+                        uint16_t *yb, int round_f) {
     int panels = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
@@ -69,15 +90,34 @@ void bf16w_linear(const float *x, int M, int K, const uint16_t *wp, int N, const
         const uint16_t *pw = wp + (size_t)p * K * 32;
         int n0 = p * 32, nn = N - n0 < 32 ? N - n0 : 32;
         for (int m0 = 0; m0 < M; m0 += MAX_RB) {
-            int rb = M - m0 < MAX_RB ? M - m0 : MAX_RB;
-            KERNS[rb](x + (size_t)m0 * K, K, pw, acc);
-            for (int m = 0; m < rb; m++) {
-                float *row = y + (size_t)(m0 + m) * N + n0;
-                for (int j = 0; j < nn; j++)
-                    row[j] = bias ? acc[m * 32 + j] + bias[n0 + j] : acc[m * 32 + j];
+            int nb = M - m0 < MAX_RB ? M - m0 : MAX_RB;
+            KERNS[nb](x + (size_t)m0 * K, K, pw, acc);
+            for (int m = 0; m < nb; m++) {
+                size_t at = (size_t)(m0 + m) * N + n0;
+                for (int j = 0; j < nn; j++) {
+                    float v = bias ? acc[m * 32 + j] + bias[n0 + j] : acc[m * 32 + j];
+                    if (yf)
+                        yf[at + j] = round_f ? rb(v) : v;
+                    else
+                        yb[at + j] = to_bf16(v);
+                }
             }
         }
     }
+}
+
+/* x [M][K] float32 (contiguous), packed W, bias [N] or NULL -> y [M][N] float32 (contiguous). */
+void bf16w_linear(const float *x, int M, int K, const uint16_t *wp, int N, const float *bias, float *y) {
+    linear_rows(x, M, K, wp, N, bias, y, NULL, 0);
+}
+
+/* A bfloat16 deployment: x [M][K] bfloat16 bits, widened exactly into xf [M][K] (the caller's scratch), packed W,
+ * float32 bias [N] or NULL -> y [M][N] bfloat16 bits, each output one float32 FMA chain rounded once, as a
+ * bfloat16 matmul that accumulates in float32 rounds it. */
+void bf16w_linear_bf16(const uint16_t *x, int M, int K, float *xf, const uint16_t *wp, int N, const float *bias,
+                       uint16_t *y) {
+    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = from_bf16(x[i]);
+    linear_rows(xf, M, K, wp, N, bias, NULL, y, 0);
 }
 
 /* Mechanism bf16w-fused-layer: a decoder layer's work around attention in two calls instead of ~25 torch ops.
@@ -201,4 +241,91 @@ void bf16w_post_attn(const float *x, const float *att, int T, int D, int QS, con
     for (int t = 0; t < T; t++) silu_mul_row(gu + (size_t)t * 2 * I, I, a + (size_t)t * I);
     bf16w_linear(a, T, I, wd, D, bd, h);
     for (size_t i = 0; i < n; i++) y[i] += h[i];
+}
+
+/* The fused layer of a bfloat16 deployment: the same steps in float32, each result rounded to a bfloat16 value
+ * where the op-by-op bfloat16 layer rounds it (torch's bfloat16 ops compute in float32 and round once): the norm's
+ * normalised row, then its product with the weight; each projection after its bias; RoPE's two products and
+ * their sum; the residual sums; SiLU, then its product with u. The remaining differences are float32 summation
+ * orders (the norm's sum of squares, the matmuls), which move a result to the neighbouring bfloat16 value only
+ * where it lies within float32 rounding of a rounding boundary. x, qkv, att and y are bfloat16 bits. */
+
+/* rb for 16 lanes. */
+static inline __m512 rb512(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), _mm512_set1_ps(NAN));
+}
+
+/* a[i] = rb(rb(silu(g[i])) * u[i]): torch's bfloat16 SiLU, then the bfloat16 product. */
+static void silu_mul_row_bf(const float *gu, int I, float *a) {
+    int i = 0;
+    for (; i + 16 <= I; i += 16) {
+        __m512 g = _mm512_loadu_ps(gu + i), u = _mm512_loadu_ps(gu + I + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 sl = rb512(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        _mm512_storeu_ps(a + i, rb512(_mm512_mul_ps(sl, u)));
+    }
+    for (; i < I; i++) a[i] = rb(rb(gu[i] / (1.0f + expf(-gu[i]))) * gu[I + i]);
+}
+
+static void rms_row_bf(const float *x, int D, const float *w, float eps, float *out) {
+    float ss = 0.0f;
+    __m512 acc = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m512 v = _mm512_loadu_ps(x + d);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+    for (; d < D; d++) ss += x[d] * x[d];
+    float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (d = 0; d < D; d++) out[d] = rb(w[d] * rb(x[d] * r));
+}
+
+static void rope_head_bf(float *x, const float *c, const float *s, int hd) {
+    int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = rb(rb(a * c[i]) + rb(-b * s[i]));
+        x[i + half] = rb(rb(b * c[i + half]) + rb(a * s[i + half]));
+    }
+}
+
+/* x [T][D] bf16 -> out [T][N] bf16 = rope(rms(x) Wqkv^T + b) as bf16_pre_attn's float32 twin rounds it; h [T][D]
+ * and q32 [T][N] float32 scratch. */
+void bf16w_pre_attn_bf16(const uint16_t *x, int T, int D, const float *ln, float eps, const uint16_t *wqkv, int N,
+                         const float *bias, const float *cos, const float *sin, int nq, int nk, int hd, float *h,
+                         float *q32, uint16_t *out) {
+    for (int t = 0; t < T; t++) {
+        float *row = h + (size_t)t * D;
+        for (int d = 0; d < D; d++) row[d] = from_bf16(x[(size_t)t * D + d]);
+        rms_row_bf(row, D, ln, eps, row);
+    }
+    linear_rows(h, T, D, wqkv, N, bias, q32, NULL, 1);
+    for (int t = 0; t < T; t++) {
+        for (int j = 0; j < nq + nk; j++)
+            rope_head_bf(q32 + (size_t)t * N + (size_t)j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
+        for (int n = 0; n < N; n++) out[(size_t)t * N + n] = to_bf16(q32[(size_t)t * N + n]);
+    }
+}
+
+/* x [T][D], att [T][QS] bf16 -> y [T][D] bf16, as bf16w_post_attn rounded where the bfloat16 layer rounds;
+ * att32 [T][QS], y32 and h [T][D], gu [T][2I], a [T][I] float32 scratch. */
+void bf16w_post_attn_bf16(const uint16_t *x, const uint16_t *att, int T, int D, int QS, const uint16_t *wo,
+                          const float *bo, const float *ln, float eps, const uint16_t *wgu, const float *bgu, int I,
+                          const uint16_t *wd, const float *bd, uint16_t *y, float *att32, float *y32, float *h,
+                          float *gu, float *a) {
+    size_t n = (size_t)T * D;
+    for (size_t i = 0; i < (size_t)T * QS; i++) att32[i] = from_bf16(att[i]);
+    linear_rows(att32, T, QS, wo, D, bo, y32, NULL, 1);
+    for (size_t i = 0; i < n; i++) y32[i] = rb(from_bf16(x[i]) + y32[i]);
+    for (int t = 0; t < T; t++) rms_row_bf(y32 + (size_t)t * D, D, ln, eps, h + (size_t)t * D);
+    linear_rows(h, T, D, wgu, 2 * I, bgu, gu, NULL, 1);
+    for (int t = 0; t < T; t++) silu_mul_row_bf(gu + (size_t)t * 2 * I, I, a + (size_t)t * I);
+    linear_rows(a, T, I, wd, D, bd, h, NULL, 1);
+    for (size_t i = 0; i < n; i++) y[i] = to_bf16(y32[i] + h[i]);
 }

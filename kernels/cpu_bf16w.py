@@ -80,11 +80,17 @@ def _lib() -> ctypes.CDLL:
     lib.bf16w_pack.restype = None
     lib.bf16w_linear.argtypes = [p, i, i, p, i, p, p]
     lib.bf16w_linear.restype = None
+    lib.bf16w_linear_bf16.argtypes = [p, i, i, p, p, i, p, p]
+    lib.bf16w_linear_bf16.restype = None
     f = ctypes.c_float
     lib.bf16w_pre_attn.argtypes = [p, i, i, p, f, p, i, p, p, p, i, i, i, p, p]
     lib.bf16w_pre_attn.restype = None
     lib.bf16w_post_attn.argtypes = [p, p, i, i, i, p, p, p, f, p, p, i, p, p, p, p, p, p]
     lib.bf16w_post_attn.restype = None
+    lib.bf16w_pre_attn_bf16.argtypes = [p, i, i, p, f, p, i, p, p, p, i, i, i, p, p, p]
+    lib.bf16w_pre_attn_bf16.restype = None
+    lib.bf16w_post_attn_bf16.argtypes = [p, p, i, i, i, p, p, p, f, p, p, i, p, p, p, p, p, p, p, p]
+    lib.bf16w_post_attn_bf16.restype = None
     lib.bf16w_silu_mul.argtypes = [p, i, i, p]
     lib.bf16w_rms.argtypes = [p, i, i, p, f, p]
     lib.bf16w_add_rms.argtypes = [p, p, i, i, p, f, p, p]
@@ -114,17 +120,22 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ W^T (+ bias) -> [M, n] float32, W as `pack` returned it (n = its output count)."""
-    if x.dtype != torch.float32:
-        raise ValueError(f"bf16w multiplies float32 rows, not {x.dtype}")
+    """x [M, K] @ W^T (+ bias) -> [M, n] in x's dtype, W as `pack` returned it (n = its output count). float32 rows
+    give float32; bfloat16 rows (a bfloat16 deployment) are widened exactly, multiplied in float32 and each output
+    rounded once to bfloat16 after the bias, as a bfloat16 matmul accumulating in float32 rounds it."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"bf16w multiplies float32 or bfloat16 rows, not {x.dtype}")
     x = x.contiguous()
     m, k = x.shape
     if panels.numel() != -(-n // PANEL) * k * PANEL:
         raise ValueError(f"packed weight of {panels.numel()} values does not fit x [{m}, {k}] and {n} outputs")
-    y = torch.empty(m, n, dtype=torch.float32)
-    b = bias.float().contiguous() if bias is not None else None
-    _lib().bf16w_linear(x.data_ptr(), m, k, panels.data_ptr(), n, b.data_ptr() if b is not None else None,
-                        y.data_ptr())
+    y = torch.empty(m, n, dtype=x.dtype)
+    b = _f32(bias)
+    if x.dtype == torch.float32:
+        _lib().bf16w_linear(x.data_ptr(), m, k, panels.data_ptr(), n, _ptr(b), y.data_ptr())
+    else:
+        xf = torch.empty(m, k, dtype=torch.float32)
+        _lib().bf16w_linear_bf16(x.data_ptr(), m, k, xf.data_ptr(), panels.data_ptr(), n, _ptr(b), y.data_ptr())
     return y
 
 
@@ -134,6 +145,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
+
+
+def _rows32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        raise ValueError(f"the fused layer's rows are float32 or bfloat16, not {t.dtype}")
+    return t
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -178,8 +195,10 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nheads: int, 
 
 def pre_attn(x: torch.Tensor, ln: torch.Tensor, eps: float, wqkv: tuple[torch.Tensor, int], bias: torch.Tensor | None,
              cos: torch.Tensor, sin: torch.Tensor, nq: int, nk: int, hd: int) -> torch.Tensor:
-    """Mechanism bf16w-fused-layer, before attention: x [T, D] float32 -> rope(rms(x) * ln @ Wqkv^T + bias) [T, N]
-    in one call; q's nq and k's nk heads (hd values each, first in a row) rotated by cos/sin [T, hd]."""
+    """Mechanism bf16w-fused-layer, before attention: x [T, D] -> rope(rms(x) * ln @ Wqkv^T + bias) [T, N] in one
+    call; q's nq and k's nk heads (hd values each, first in a row) rotated by cos/sin [T, hd] (float32). float32 x
+    gives float32; bfloat16 x (a bfloat16 deployment) gives bfloat16, each step rounded where the op-by-op
+    bfloat16 layer rounds it."""
     x = x.contiguous()
     t, d = x.shape
     panels, n = wqkv
@@ -187,10 +206,16 @@ def pre_attn(x: torch.Tensor, ln: torch.Tensor, eps: float, wqkv: tuple[torch.Te
         raise ValueError(f"bf16w pre_attn: {t} rows (at most {MAX_ROWS}), cos of {cos.numel()} values for {t} x "
                          f"{hd}, {nq} + {nk} heads of {hd} in {n} outputs")
     h = torch.empty(t, d, dtype=torch.float32)
-    out = torch.empty(t, n, dtype=torch.float32)
-    cos, sin, ln, bias = cos.contiguous(), sin.contiguous(), _f32(ln), _f32(bias)
-    _lib().bf16w_pre_attn(x.data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), n, _ptr(bias), cos.data_ptr(),
-                          sin.data_ptr(), nq, nk, hd, h.data_ptr(), out.data_ptr())
+    out = torch.empty(t, n, dtype=x.dtype)
+    cos, sin, ln, bias = _f32(cos), _f32(sin), _f32(ln), _f32(bias)
+    if x.dtype == torch.bfloat16:
+        q32 = torch.empty(t, n, dtype=torch.float32)
+        _lib().bf16w_pre_attn_bf16(x.data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), n, _ptr(bias),
+                                   cos.data_ptr(), sin.data_ptr(), nq, nk, hd, h.data_ptr(), q32.data_ptr(),
+                                   out.data_ptr())
+        return out
+    _lib().bf16w_pre_attn(_rows32(x).data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), n, _ptr(bias),
+                          cos.data_ptr(), sin.data_ptr(), nq, nk, hd, h.data_ptr(), out.data_ptr())
     return out
 
 
@@ -198,20 +223,28 @@ def post_attn(x: torch.Tensor, att: torch.Tensor, wo: tuple[torch.Tensor, int], 
               ln: torch.Tensor, eps: float, wgu: tuple[torch.Tensor, int], bgu: torch.Tensor | None,
               wdown: tuple[torch.Tensor, int], bdown: torch.Tensor | None) -> torch.Tensor:
     """Mechanism bf16w-fused-layer, after attention: y = x + att Wo^T + bo, then y + down(silu(g) * u) with
-    [g | u] = rms(y) * ln @ Wgu^T + bgu, in one call (x [T, D], att [T, QS] float32 -> y [T, D])."""
+    [g | u] = rms(y) * ln @ Wgu^T + bgu, in one call (x [T, D], att [T, QS] -> y [T, D], all float32, or all
+    bfloat16 with each step rounded where the op-by-op bfloat16 layer rounds it)."""
     x, att = x.contiguous(), att.contiguous()
     t, d = x.shape
     qs = att.shape[1]
     (po, no), (pgu, ngu), (pd, nd) = wo, wgu, wdown
-    if t > MAX_ROWS or att.shape[0] != t or no != d or nd != d or ngu % 2:
-        raise ValueError(f"bf16w post_attn: x {tuple(x.shape)} (at most {MAX_ROWS} rows), att {tuple(att.shape)}, "
-                         f"outputs {no} / {ngu} / {nd}")
+    if t > MAX_ROWS or att.shape[0] != t or no != d or nd != d or ngu % 2 or att.dtype != x.dtype:
+        raise ValueError(f"bf16w post_attn: x {tuple(x.shape)} (at most {MAX_ROWS} rows), att {tuple(att.shape)} "
+                         f"(x's dtype {x.dtype}, not {att.dtype}), outputs {no} / {ngu} / {nd}")
     inter = ngu // 2
-    y = torch.empty(t, d, dtype=torch.float32)
+    y = torch.empty(t, d, dtype=x.dtype)
     h = torch.empty(t, d, dtype=torch.float32)
     gu = torch.empty(t, ngu, dtype=torch.float32)
     a = torch.empty(t, inter, dtype=torch.float32)
     ln, bo, bgu, bdown = _f32(ln), _f32(bo), _f32(bgu), _f32(bdown)
+    if x.dtype == torch.bfloat16:
+        att32, y32 = torch.empty(t, qs, dtype=torch.float32), torch.empty(t, d, dtype=torch.float32)
+        _lib().bf16w_post_attn_bf16(x.data_ptr(), att.data_ptr(), t, d, qs, po.data_ptr(), _ptr(bo), ln.data_ptr(),
+                                    eps, pgu.data_ptr(), _ptr(bgu), inter, pd.data_ptr(), _ptr(bdown), y.data_ptr(),
+                                    att32.data_ptr(), y32.data_ptr(), h.data_ptr(), gu.data_ptr(), a.data_ptr())
+        return y
+    x, att = _rows32(x), _rows32(att)
     _lib().bf16w_post_attn(x.data_ptr(), att.data_ptr(), t, d, qs, po.data_ptr(), _ptr(bo), ln.data_ptr(), eps,
                            pgu.data_ptr(), _ptr(bgu), inter, pd.data_ptr(), _ptr(bdown), y.data_ptr(), h.data_ptr(),
                            gu.data_ptr(), a.data_ptr())

@@ -457,7 +457,7 @@ def test_batch_methods_on_another_forward_get_that_forwards_ar(tmp_path):
     for b in (1, 2):
         dnn, plain = by[("ar-lean-dnn", b)], by[("sd-ngram-lean", b)]
         assert dnn["forward"] == {"matmul_t_rows": 0, "matmul_backend": "onednn", "fused_mlp_rows": 0,
-                                  "fused_layer": False}
+                                  "fused_layer": False, "bf16w_rows": 64}
         assert dnn["speedup_vs_same_forward_ar"] == pytest.approx(
             dnn["tokens_per_s"] / dnn["same_forward_ar_tokens_per_s"], rel=1e-3)
         assert dnn["unexplained_mismatches"] == dnn["same_forward_ar_unexplained_mismatches"] == 0
@@ -469,7 +469,7 @@ def test_batch_methods_on_another_forward_get_that_forwards_ar(tmp_path):
     sc = sched["schedule"][0]
     assert sc["name"] == "sd-ngram-lean-dnn" and sc["ar_forward"]["matmul_backend"] == "onednn"
     assert "against batched AR with ragged verify and continuous batching, matmul_t_rows = 0, matmul_backend = " \
-           "'onednn', fused_mlp_rows = 0, fused_layer = False:" in format_batch_table(sched)
+           "'onednn', fused_mlp_rows = 0, fused_layer = False, bf16w_rows = 64:" in format_batch_table(sched)
 
 
 def test_cli_bad_batch_sizes_one_line_error(capsys):

@@ -55,7 +55,7 @@ def test_pack_refuses_what_bfloat16_cannot_hold_and_bad_inputs_in_one_line():
     panels = cpu_bf16w.pack(_bf16_exact((8, 16), 5))
     with pytest.raises(ValueError, match="does not fit x"):
         cpu_bf16w.linear(torch.randn(2, 17), panels, 8)
-    with pytest.raises(ValueError, match="multiplies float32 rows, not torch.float64"):
+    with pytest.raises(ValueError, match="multiplies float32 or bfloat16 rows, not torch.float64"):
         cpu_bf16w.linear(torch.randn(2, 16, dtype=torch.float64), panels, 8)
 
 
@@ -99,12 +99,72 @@ def test_bf16w_config_and_capabilities_refuse_what_it_cannot_run(tiny_fp32):
     with pytest.raises(ConfigError, match="the bf16w kernel runs on the CPU; use \"torch\" on 'cuda'"):
         DecodeConfig(lean_forward=True, matmul_backend="bf16w", device="cuda")
     cfg = DecodeConfig(lean_forward=True, matmul_backend="bf16w")
-    why = refusal(cfg, tiny_fp32[0].config, None, "bfloat16")
-    assert why is not None and "loaded as bfloat16" in why and "\n" not in why
+    why = refusal(cfg, tiny_fp32[0].config, None, "float16")
+    assert why is not None and "loaded as float16" in why and "\n" not in why
     assert refusal(cfg, tiny_fp32[0].config, None, "float32") is None
-    lean = LeanLM(copy.deepcopy(tiny_fp32[0]).to(torch.bfloat16))
-    with pytest.raises(LeanUnsupported, match="multiplies float32 activations on the CPU, not torch.bfloat16"):
+    assert refusal(cfg, tiny_fp32[0].config, None, "bfloat16") is None
+    lean = LeanLM(copy.deepcopy(tiny_fp32[0]).to(torch.float16))
+    with pytest.raises(LeanUnsupported, match="multiplies float32 or bfloat16 activations on the CPU, not "
+                                              "torch.float16"):
         lean.set_matmul_backend("bf16w")
+    with pytest.raises(ConfigError, match="bf16w_rows = 8 is invalid: it limits the bf16w kernel"):
+        DecodeConfig(lean_forward=True, bf16w_rows=8)
+    with pytest.raises(ConfigError, match="bf16w_rows = 65 is invalid: use 1 to 64"):
+        DecodeConfig(lean_forward=True, matmul_backend="bf16w", bf16w_rows=65)
+
+
+@pytest.mark.parametrize("n,k", [(32, 16), (40, 72), (7, 33), (640, 384)])
+def test_bfloat16_rows_round_once_as_torch_bfloat16_matmul(n, k):
+    """A bfloat16 deployment: bfloat16 rows in, bfloat16 out, each output the float32 sum (bias added) rounded once
+    to nearest-even: equal to the float64 product rounded to bfloat16 except where the float32 sum lands on the
+    other side of a rounding boundary (at most one bf16 ulp, rarely), and so to torch's bfloat16 F.linear; row m
+    of an M-row call is bit-identical to the row alone."""
+    w = _bf16_exact((n, k), 6).to(torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    panels = cpu_bf16w.pack(w)
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    exact = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16)
+    for m in (1, 5, 12, 13, 24):
+        y = cpu_bf16w.linear(x[:m], panels, n, bias)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        ulp = exact[:m].float().abs().clamp_min(2 ** -100) * 2 ** -7
+        off = (y.float() - exact[:m].float()).abs()
+        assert (off <= ulp).all() and (y != exact[:m]).float().mean().item() <= 0.01, m
+        assert ((y.float() - F.linear(x[:m], w, bias).float()).abs() <= ulp).all(), m
+        for row in (0, m - 1):
+            assert torch.equal(y[row], cpu_bf16w.linear(x[row : row + 1], panels, n, bias)[0]), (m, row)
+    nan = x[:2].clone()
+    nan[1, 0] = float("nan")
+    y = cpu_bf16w.linear(nan, panels, n)
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[0]).any()
+
+
+@torch.inference_mode()
+def test_lean_bfloat16_forward_on_bf16w_keeps_tokens_and_bf16w_rows_routes_calls(tiny_fp32, tiny_prompts):
+    """A bfloat16 model: logits of the lean forward on the kernel within bfloat16 rounding of torch's at every
+    width; AR and SD through `generate` on the kernel give the same tokens as on torch's matmuls; bf16w_rows
+    sends wider calls to F.linear (then bit-identical to the torch backend's forward)."""
+    model = copy.deepcopy(tiny_fp32[0]).to(torch.bfloat16)
+    drafter = copy.deepcopy(tiny_fp32[1]).to(torch.bfloat16)
+    plain, kern = LeanLM(model), LeanLM(model)
+    kern.set_matmul_backend("bf16w")
+    ids = torch.tensor(tiny_prompts[1])
+    c1, c2 = plain.new_cache(), kern.new_cache()
+    for part in (ids[:30], ids[30:35], ids[35:36]):
+        a, b = plain.forward(part, c1), kern.forward(part, c2)
+        assert b.dtype == torch.bfloat16 and (a.float() - b.float()).abs().max().item() <= 0.05
+    kern.set_bf16w_rows(4)
+    c1, c2 = plain.new_cache(), kern.new_cache()
+    assert torch.equal(plain.forward(ids[:9], c1), kern.forward(ids[:9], c2))  # 9 rows > 4: F.linear throughout
+    with pytest.raises(LeanUnsupported, match="bf16w_rows = 0: use 1 to 64"):
+        kern.set_bf16w_rows(0)
+    base = DecodeConfig(lean_forward=True, max_new_tokens=24, dtype="bfloat16", stop_at_eos=False)
+    ref = generate(DecodeConfig(**{**base.as_dict(), "method": "ar"}), model, tiny_prompts[1], None).tokens
+    on = {**base.as_dict(), "matmul_backend": "bf16w"}
+    assert generate(DecodeConfig(**{**on, "method": "ar"}), model, tiny_prompts[1], None).tokens == ref
+    for rows in (64, 2):
+        cfg = DecodeConfig(**{**on, "drafter": "draft-model", "draft_len": 4, "bf16w_rows": rows})
+        assert generate(cfg, model, tiny_prompts[1], drafter).tokens == ref, rows
 
 
 def test_kernel_agrees_with_f_linear_on_the_demo_shapes():

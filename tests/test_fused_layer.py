@@ -48,6 +48,46 @@ def test_fused_layer_matches_the_op_by_op_layer_at_every_width(arch):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bfloat16_fused_layer_rounds_where_the_op_by_op_layer_rounds(arch):
+    """A bfloat16 model: the fused layer rounds each step to bfloat16 where the op-by-op bfloat16 layer does, so
+    its logits equal the op-by-op layer's on the same kernel at widths 1 to 64 (measured bit-identical on these
+    models and on the demo; a float32 summation order may move a value across a rounding boundary, so the test
+    allows 2% of logits one bf16 step apart), and stay within bfloat16 rounding of torch's matmuls; a prefill
+    above bf16w_rows runs op by op; the fused calls take and give bfloat16 rows."""
+    model = _model(arch).to(torch.bfloat16)
+    ops, fused, plain = LeanLM(model), LeanLM(model), LeanLM(model)
+    ops.set_matmul_backend("bf16w")
+    fused.set_matmul_backend("bf16w")
+    fused.set_fused_layer(True)
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(1, 256, (cpu_bf16w.MAX_ROWS + 5,), generator=gen)
+    caches = [lm.new_cache() for lm in (ops, fused, plain)]
+    for ids in (prompt, *(torch.randint(1, 256, (q,), generator=gen) for q in (1, 3, 12, 13, 1, cpu_bf16w.MAX_ROWS))):
+        a, b, c = (lm.forward(ids, cache) for lm, cache in zip((ops, fused, plain), caches, strict=True))
+        assert b.dtype == torch.bfloat16
+        step = a.float().abs().clamp_min(2 ** -60) * 2 ** -7
+        assert ((a.float() - b.float()).abs() <= step).all() and (a != b).float().mean().item() <= 0.02, ids.shape
+        assert (c.float() - b.float()).abs().max().item() <= 0.1, (arch, ids.shape[0])
+    counts = {"pre": 0}
+    pre = cpu_bf16w.pre_attn
+
+    def counted(x, *rest):
+        counts["pre"] += 1
+        assert x.dtype == torch.bfloat16
+        return pre(x, *rest)
+
+    cpu_bf16w.pre_attn = counted
+    try:
+        fused.forward(prompt[:3], fused.new_cache())
+        assert counts["pre"] == len(fused.layers)
+        fused.forward(prompt, fused.new_cache())  # 69 rows > bf16w_rows: op by op, no fused call
+        assert counts["pre"] == len(fused.layers)
+    finally:
+        cpu_bf16w.pre_attn = pre
+
+
+@torch.inference_mode()
 def test_fused_layer_kernel_calls_are_per_row():
     """pre_attn and post_attn: row m of an M-row call bit-identical to the same row alone (norm, RoPE, SiLU and
     the matmuls are per row), so a verify scores a row as a one-row step does apart from attention."""
@@ -76,12 +116,12 @@ def test_fused_layer_kernel_calls_are_per_row():
 
 
 @torch.inference_mode()
-def test_sd_and_batches_on_the_fused_layer_keep_ar_tokens(tiny_fp32, tiny_prompts):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sd_and_batches_on_the_fused_layer_keep_ar_tokens(tiny_fp32, tiny_prompts, dtype):
     """SD through `generate` and through the batched engine (ragged, scheduled) on the fused layer give AR's tokens
-    on the fused layer: the mechanism changes no token its own AR would not."""
-    model = _bf16_exact(tiny_fp32[0])
-    drafter = _bf16_exact(tiny_fp32[1])
-    base = DecodeConfig(lean_forward=True, max_new_tokens=24, dtype="float32", stop_at_eos=False,
+    on the fused layer: the mechanism changes no token its own AR would not (a float32 and a bfloat16 model)."""
+    model, drafter = (_bf16_exact(m).to(getattr(torch, dtype)) for m in tiny_fp32)
+    base = DecodeConfig(lean_forward=True, max_new_tokens=24, dtype=dtype, stop_at_eos=False,
                         matmul_backend="bf16w", fused_layer=True)
     ref = {i: generate(DecodeConfig(**{**base.as_dict(), "method": "ar"}), model, p, None).tokens
            for i, p in enumerate(tiny_prompts)}
@@ -108,6 +148,9 @@ def test_fused_layer_config_and_capabilities_refuse_what_it_cannot_run(tiny_fp32
         why = refusal(cfg, _model(arch).config, None, "float32")
         assert why is not None and why.startswith("target: fused_layer runs Llama-style layers") and kind in why
         assert "\n" not in why
+    assert refusal(cfg, tiny_fp32[0].config, None, "bfloat16") is None
+    why = refusal(cfg, tiny_fp32[0].config, None, "float16")
+    assert why is not None and "\n" not in why and ("loaded as float16" in why)
     lean = LeanLM(_bf16_exact(tiny_fp32[0]))
     with pytest.raises(LeanUnsupported, match='fused_layer runs on the bf16w kernel.s panels; set matmul_backend'):
         lean.set_fused_layer(True)

@@ -47,7 +47,7 @@ MECHANISMS = ("ragged_verify", "load_aware_draft", "continuous_batching")
 # The forward's own mechanisms (transposed-matmul, onednn-matmul, fused-mlp, bf16w-fused-layer): a method's "same
 # forward" AR shares them, so its ratio to that AR is speculation's gain alone (the ratio to plain batched AR also
 # holds the forward's).
-FORWARD_KEYS = ("matmul_t_rows", "matmul_backend", "fused_mlp_rows", "fused_layer")
+FORWARD_KEYS = ("matmul_t_rows", "matmul_backend", "fused_mlp_rows", "fused_layer", "bf16w_rows")
 
 
 def forward_of(cfg: DecodeConfig) -> dict:
