@@ -383,7 +383,10 @@ class LeanLM:
                                   f"activations on the CPU, not {self.dtype} on {self.device.type}; use dtype = "
                                   f"\"float32\" or \"bfloat16\" on the CPU or matmul_backend = \"torch\"")
         try:
-            packed = {id(w): (cpu_bf16w.pack(w), w.shape[0]) for w in self._matmul_weights()}
+            # a bfloat16 model on a CPU with AVX512-BF16: weights in pairs of k, multiplied by its dot products
+            pairs = (self.dtype == torch.bfloat16 and cpu_bf16w.pairs_available()
+                     and all(w.shape[1] % 2 == 0 for w in self._matmul_weights()))
+            packed = {id(w): (cpu_bf16w.pack(w, pairs), w.shape[0]) for w in self._matmul_weights()}
         except (ValueError, cpu_bf16w.KernelUnavailable) as e:
             raise LeanUnsupported(f"lean forward: matmul_backend = \"bf16w\": {e}; use \"torch\" or "
                                   f"\"onednn\"") from None

@@ -50,6 +50,66 @@ typedef void (*kern_fn)(const float *, int, const uint16_t *, float *);
 static const kern_fn KERNS[MAX_RB + 1] = {0,     kern1, kern2, kern3,  kern4,  kern5, kern6,
                                           kern7, kern8, kern9, kern10, kern11, kern12};
 
+#ifdef BF16W_DP
+/* A bfloat16 deployment on a CPU with AVX512-BF16 dot products: bfloat16 rows times W packed in pairs of k
+ * (`bf16w_pack_pairs`), 32 products a k pair per row in one instruction where the loop above widens and issues
+ * two FMAs a k. Each lane adds x[2i+1] w[2i+1], then x[2i] w[2i], to its float32 sum (products of bf16 values are
+ * exact in float32): one float32 chain per output, in another order than the FMA chain, the same at any M. */
+#define DPKERN(RB)                                                                                                \
+    __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void dpkern##RB(const uint16_t *x, int K,      \
+                                                                                 const uint16_t *pw, float *acc) { \
+        __m512 a0[RB], a1[RB];                                                                                    \
+        for (int m = 0; m < RB; m++) {                                                                            \
+            a0[m] = _mm512_setzero_ps();                                                                          \
+            a1[m] = _mm512_setzero_ps();                                                                          \
+        }                                                                                                         \
+        for (int kp = 0; kp < K / 2; kp++) {                                                                      \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(pw + (size_t)kp * 64));                     \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(pw + (size_t)kp * 64 + 32));                \
+            for (int m = 0; m < RB; m++) {                                                                        \
+                uint32_t pr;                                                                                      \
+                memcpy(&pr, x + (size_t)m * K + 2 * kp, 4);                                                       \
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pr);                                               \
+                a0[m] = _mm512_dpbf16_ps(a0[m], xb, w0);                                                          \
+                a1[m] = _mm512_dpbf16_ps(a1[m], xb, w1);                                                          \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < RB; m++) {                                                                            \
+            _mm512_storeu_ps(acc + m * 32, a0[m]);                                                                \
+            _mm512_storeu_ps(acc + m * 32 + 16, a1[m]);                                                           \
+        }                                                                                                         \
+    }
+
+DPKERN(1) DPKERN(2) DPKERN(3) DPKERN(4) DPKERN(5) DPKERN(6) DPKERN(7) DPKERN(8) DPKERN(9) DPKERN(10) DPKERN(11)
+DPKERN(12)
+
+typedef void (*dpkern_fn)(const uint16_t *, int, const uint16_t *, float *);
+static const dpkern_fn DPKERNS[MAX_RB + 1] = {0,       dpkern1, dpkern2, dpkern3,  dpkern4,  dpkern5, dpkern6,
+                                              dpkern7, dpkern8, dpkern9, dpkern10, dpkern11, dpkern12};
+#endif
+
+/* 1 when this build has the AVX512-BF16 kernels (compiled with -DBF16W_DP), else 0. */
+int bf16w_has_pairs(void) {
+#ifdef BF16W_DP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* w [N][K] bf16 bits, K even -> out [ceil(N/32)][K/2][32][2]: panel p, k pair kp, output j holds w[p*32+j][2kp]
+ * then w[p*32+j][2kp+1] (outputs past N zero); the same size as `bf16w_pack`'s panels. */
+void bf16w_pack_pairs(const uint16_t *w, int N, int K, uint16_t *out) {
+    int panels = (N + 31) / 32;
+    for (int p = 0; p < panels; p++)
+        for (int kp = 0; kp < K / 2; kp++)
+            for (int j = 0; j < 32; j++)
+                for (int e = 0; e < 2; e++) {
+                    int n = p * 32 + j;
+                    out[(((size_t)p * (K / 2) + kp) * 32 + j) * 2 + e] = n < N ? w[(size_t)n * K + 2 * kp + e] : 0;
+                }
+}
+
 /* w [N][K] bf16 bits -> out [ceil(N/32)][K][32], outputs past N zero. */
 void bf16w_pack(const uint16_t *w, int N, int K, uint16_t *out) {
     int panels = (N + 31) / 32;
@@ -78,11 +138,11 @@ static inline float from_bf16(uint16_t h) {
 /* v rounded to the nearest bfloat16 value, kept as float32: where a bfloat16 torch op rounds its result. */
 static inline float rb(float v) { return from_bf16(to_bf16(v)); }
 
-/* x [M][K] float32, packed W, bias [N] or NULL -> y [M][N]: float32 into yf (each rounded to a bfloat16 value when
- * round_f), or (yf NULL) each output rounded to bfloat16 (nearest, ties to even, as torch's conversion) into yb
- * after the bias is added in float32. */
-static void linear_rows(const float *x, int M, int K, const uint16_t *wp, int N, const float *bias, float *yf,
-                        uint16_t *yb, int round_f) {
+/* x [M][K] (float32 xf for W packed by k, bfloat16 bits xb for W packed in pairs), bias [N] or NULL -> y [M][N]:
+ * float32 into yf (each rounded to a bfloat16 value when round_f), or (yf NULL) each output rounded to bfloat16
+ * (nearest, ties to even, as torch's conversion) into yb after the bias is added in float32. */
+static void linear_rows(const float *x, const uint16_t *xb, int M, int K, const uint16_t *wp, int pairs, int N,
+                        const float *bias, float *yf, uint16_t *yb, int round_f) {
     int panels = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
@@ -91,7 +151,12 @@ static void linear_rows(const float *x, int M, int K, const uint16_t *wp, int N,
         int n0 = p * 32, nn = N - n0 < 32 ? N - n0 : 32;
         for (int m0 = 0; m0 < M; m0 += MAX_RB) {
             int nb = M - m0 < MAX_RB ? M - m0 : MAX_RB;
-            KERNS[nb](x + (size_t)m0 * K, K, pw, acc);
+#ifdef BF16W_DP
+            if (pairs)
+                DPKERNS[nb](xb + (size_t)m0 * K, K, pw, acc);
+            else
+#endif
+                KERNS[nb](x + (size_t)m0 * K, K, pw, acc);
             for (int m = 0; m < nb; m++) {
                 size_t at = (size_t)(m0 + m) * N + n0;
                 for (int j = 0; j < nn; j++) {
@@ -108,16 +173,17 @@ static void linear_rows(const float *x, int M, int K, const uint16_t *wp, int N,
 
 /* x [M][K] float32 (contiguous), packed W, bias [N] or NULL -> y [M][N] float32 (contiguous). */
 void bf16w_linear(const float *x, int M, int K, const uint16_t *wp, int N, const float *bias, float *y) {
-    linear_rows(x, M, K, wp, N, bias, y, NULL, 0);
+    linear_rows(x, NULL, M, K, wp, 0, N, bias, y, NULL, 0);
 }
 
-/* A bfloat16 deployment: x [M][K] bfloat16 bits, widened exactly into xf [M][K] (the caller's scratch), packed W,
- * float32 bias [N] or NULL -> y [M][N] bfloat16 bits, each output one float32 FMA chain rounded once, as a
- * bfloat16 matmul that accumulates in float32 rounds it. */
-void bf16w_linear_bf16(const uint16_t *x, int M, int K, float *xf, const uint16_t *wp, int N, const float *bias,
-                       uint16_t *y) {
-    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = from_bf16(x[i]);
-    linear_rows(xf, M, K, wp, N, bias, NULL, y, 0);
+/* A bfloat16 deployment: x [M][K] bfloat16 bits (widened exactly into xf [M][K], the caller's scratch, unless W
+ * is packed in pairs), float32 bias [N] or NULL -> y [M][N] bfloat16 bits, each output one float32 chain rounded
+ * once, as a bfloat16 matmul that accumulates in float32 rounds it. */
+void bf16w_linear_bf16(const uint16_t *x, int M, int K, float *xf, const uint16_t *wp, int pairs, int N,
+                       const float *bias, uint16_t *y) {
+    if (!pairs)
+        for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = from_bf16(x[i]);
+    linear_rows(xf, x, M, K, wp, pairs, N, bias, NULL, y, 0);
 }
 
 /* Mechanism bf16w-fused-layer: a decoder layer's work around attention in two calls instead of ~25 torch ops.
@@ -272,6 +338,15 @@ static void silu_mul_row_bf(const float *gu, int I, float *a) {
     for (; i < I; i++) a[i] = rb(rb(gu[i] / (1.0f + expf(-gu[i]))) * gu[I + i]);
 }
 
+/* y [M][N] = x W^T + bias rounded to bfloat16 values, x [M][K] float32 holding bfloat16 values (exactly narrowed
+ * into xb [M][K], scratch, for W packed in pairs). */
+static void mm_bf(const float *x, uint16_t *xb, int M, int K, const uint16_t *wp, int pairs, int N, const float *bias,
+                  float *y) {
+    if (pairs)
+        for (size_t i = 0; i < (size_t)M * K; i++) xb[i] = to_bf16(x[i]);
+    linear_rows(x, xb, M, K, wp, pairs, N, bias, y, NULL, 1);
+}
+
 static void rms_row_bf(const float *x, int D, const float *w, float eps, float *out) {
     float ss = 0.0f;
     __m512 acc = _mm512_setzero_ps();
@@ -297,15 +372,15 @@ static void rope_head_bf(float *x, const float *c, const float *s, int hd) {
 
 /* x [T][D] bf16 -> out [T][N] bf16 = rope(rms(x) Wqkv^T + b) as bf16_pre_attn's float32 twin rounds it; h [T][D]
  * and q32 [T][N] float32 scratch. */
-void bf16w_pre_attn_bf16(const uint16_t *x, int T, int D, const float *ln, float eps, const uint16_t *wqkv, int N,
-                         const float *bias, const float *cos, const float *sin, int nq, int nk, int hd, float *h,
-                         float *q32, uint16_t *out) {
+void bf16w_pre_attn_bf16(const uint16_t *x, int T, int D, const float *ln, float eps, const uint16_t *wqkv,
+                         int pairs, int N, const float *bias, const float *cos, const float *sin, int nq, int nk,
+                         int hd, float *h, uint16_t *hb, float *q32, uint16_t *out) {
     for (int t = 0; t < T; t++) {
         float *row = h + (size_t)t * D;
         for (int d = 0; d < D; d++) row[d] = from_bf16(x[(size_t)t * D + d]);
         rms_row_bf(row, D, ln, eps, row);
     }
-    linear_rows(h, T, D, wqkv, N, bias, q32, NULL, 1);
+    mm_bf(h, hb, T, D, wqkv, pairs, N, bias, q32);
     for (int t = 0; t < T; t++) {
         for (int j = 0; j < nq + nk; j++)
             rope_head_bf(q32 + (size_t)t * N + (size_t)j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
@@ -317,15 +392,16 @@ void bf16w_pre_attn_bf16(const uint16_t *x, int T, int D, const float *ln, float
  * att32 [T][QS], y32 and h [T][D], gu [T][2I], a [T][I] float32 scratch. */
 void bf16w_post_attn_bf16(const uint16_t *x, const uint16_t *att, int T, int D, int QS, const uint16_t *wo,
                           const float *bo, const float *ln, float eps, const uint16_t *wgu, const float *bgu, int I,
-                          const uint16_t *wd, const float *bd, uint16_t *y, float *att32, float *y32, float *h,
-                          float *gu, float *a) {
+                          const uint16_t *wd, const float *bd, int pairs, uint16_t *y, float *att32, float *y32,
+                          float *h, float *gu, float *a, uint16_t *xs) {
     size_t n = (size_t)T * D;
-    for (size_t i = 0; i < (size_t)T * QS; i++) att32[i] = from_bf16(att[i]);
-    linear_rows(att32, T, QS, wo, D, bo, y32, NULL, 1);
+    if (!pairs)
+        for (size_t i = 0; i < (size_t)T * QS; i++) att32[i] = from_bf16(att[i]);
+    linear_rows(att32, att, T, QS, wo, pairs, D, bo, y32, NULL, 1);
     for (size_t i = 0; i < n; i++) y32[i] = rb(from_bf16(x[i]) + y32[i]);
     for (int t = 0; t < T; t++) rms_row_bf(y32 + (size_t)t * D, D, ln, eps, h + (size_t)t * D);
-    linear_rows(h, T, D, wgu, 2 * I, bgu, gu, NULL, 1);
+    mm_bf(h, xs, T, D, wgu, pairs, 2 * I, bgu, gu);
     for (int t = 0; t < T; t++) silu_mul_row_bf(gu + (size_t)t * 2 * I, I, a + (size_t)t * I);
-    linear_rows(a, T, I, wd, D, bd, h, NULL, 1);
+    mm_bf(a, xs, T, I, wd, pairs, D, bd, h);
     for (size_t i = 0; i < n; i++) y[i] = to_bf16(y32[i] + h[i]);
 }

@@ -68,7 +68,8 @@ def _lib() -> ctypes.CDLL:
     tmp = tempfile.mkdtemp(prefix="specpilot-bf16w-")
     try:
         out = Path(tmp) / "libbf16w.so"
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=120)
+        flags = (*CFLAGS, "-DBF16W_DP") if "avx512_bf16" in _cpu_flags() else CFLAGS  # the pairs kernels too
+        r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
             raise KernelUnavailable(f"the bf16w kernel did not compile with {cc}: {tail}")
@@ -80,16 +81,20 @@ def _lib() -> ctypes.CDLL:
     lib.bf16w_pack.restype = None
     lib.bf16w_linear.argtypes = [p, i, i, p, i, p, p]
     lib.bf16w_linear.restype = None
-    lib.bf16w_linear_bf16.argtypes = [p, i, i, p, p, i, p, p]
+    lib.bf16w_linear_bf16.argtypes = [p, i, i, p, p, i, i, p, p]
+    lib.bf16w_pack_pairs.argtypes = [p, i, i, p]
+    lib.bf16w_pack_pairs.restype = None
+    lib.bf16w_has_pairs.argtypes = []
+    lib.bf16w_has_pairs.restype = i
     lib.bf16w_linear_bf16.restype = None
     f = ctypes.c_float
     lib.bf16w_pre_attn.argtypes = [p, i, i, p, f, p, i, p, p, p, i, i, i, p, p]
     lib.bf16w_pre_attn.restype = None
     lib.bf16w_post_attn.argtypes = [p, p, i, i, i, p, p, p, f, p, p, i, p, p, p, p, p, p]
     lib.bf16w_post_attn.restype = None
-    lib.bf16w_pre_attn_bf16.argtypes = [p, i, i, p, f, p, i, p, p, p, i, i, i, p, p, p]
+    lib.bf16w_pre_attn_bf16.argtypes = [p, i, i, p, f, p, i, i, p, p, p, i, i, i, p, p, p, p]
     lib.bf16w_pre_attn_bf16.restype = None
-    lib.bf16w_post_attn_bf16.argtypes = [p, p, i, i, i, p, p, p, f, p, p, i, p, p, p, p, p, p, p, p]
+    lib.bf16w_post_attn_bf16.argtypes = [p, p, i, i, i, p, p, p, f, p, p, i, p, p, i, p, p, p, p, p, p, p]
     lib.bf16w_post_attn_bf16.restype = None
     lib.bf16w_silu_mul.argtypes = [p, i, i, p]
     lib.bf16w_rms.argtypes = [p, i, i, p, f, p]
@@ -100,11 +105,20 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """A float32 or bfloat16 weight [N, K] as the kernel's bf16 panels (int16 [ceil(N/32) * K * 32]).
+def pairs_available() -> bool:
+    """Whether this CPU and build have the AVX512-BF16 kernels that multiply bfloat16 rows by weights packed in
+    pairs of k (`pack(w, pairs=True)`): a bfloat16 deployment's matmuls at twice the products per instruction."""
+    return unavailable() is None and bool(_lib().bf16w_has_pairs())
+
+
+def pack(w: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """A float32 or bfloat16 weight [N, K] as the kernel's bf16 panels: int16 [ceil(N/32) * K * 32] by k, or with
+    `pairs` (K even, `pairs_available()`) the same bytes as int32 [ceil(N/32) * K * 16], each a pair of k, which
+    multiply bfloat16 rows only.
 
     Raises ValueError when a float32 weight holds a value bf16 cannot represent exactly (the kernel would
-    change the model), KernelUnavailable when the kernel cannot run here."""
+    change the model) or pairs are asked where they cannot run, KernelUnavailable when the kernel cannot run
+    here."""
     if w.dim() != 2 or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"bf16w packs a 2-D float32 or bfloat16 CPU weight, not {w.dtype} {tuple(w.shape)} "
                          f"on {w.device.type}")
@@ -115,8 +129,18 @@ def pack(w: torch.Tensor) -> torch.Tensor:
                          f"(not a bfloat16 checkpoint)")
     n, k = wb.shape
     out = torch.empty(-(-n // PANEL) * k * PANEL, dtype=torch.int16)
-    _lib().bf16w_pack(wb.data_ptr(), n, k, out.data_ptr())
-    return out
+    if not pairs:
+        _lib().bf16w_pack(wb.data_ptr(), n, k, out.data_ptr())
+        return out
+    if k % 2 or not pairs_available():
+        raise ValueError(f"bf16w packs a {tuple(w.shape)} weight in pairs of k only for an even K on a CPU with "
+                         f"AVX512-BF16 (this one {'has' if pairs_available() else 'lacks'} it); use pairs=False")
+    _lib().bf16w_pack_pairs(wb.data_ptr(), n, k, out.data_ptr())
+    return out.view(torch.int32)
+
+
+def _fits(panels: torch.Tensor, k: int, n: int) -> bool:
+    return panels.numel() * (2 if panels.dtype == torch.int32 else 1) == -(-n // PANEL) * k * PANEL
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,15 +151,19 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
         raise ValueError(f"bf16w multiplies float32 or bfloat16 rows, not {x.dtype}")
     x = x.contiguous()
     m, k = x.shape
-    if panels.numel() != -(-n // PANEL) * k * PANEL:
+    if not _fits(panels, k, n):
         raise ValueError(f"packed weight of {panels.numel()} values does not fit x [{m}, {k}] and {n} outputs")
+    pairs = panels.dtype == torch.int32
+    if pairs and x.dtype != torch.bfloat16:
+        raise ValueError(f"weights packed in pairs multiply bfloat16 rows, not {x.dtype}")
     y = torch.empty(m, n, dtype=x.dtype)
     b = _f32(bias)
     if x.dtype == torch.float32:
         _lib().bf16w_linear(x.data_ptr(), m, k, panels.data_ptr(), n, _ptr(b), y.data_ptr())
     else:
-        xf = torch.empty(m, k, dtype=torch.float32)
-        _lib().bf16w_linear_bf16(x.data_ptr(), m, k, xf.data_ptr(), panels.data_ptr(), n, _ptr(b), y.data_ptr())
+        xf = torch.empty(0 if pairs else m * k, dtype=torch.float32)
+        _lib().bf16w_linear_bf16(x.data_ptr(), m, k, xf.data_ptr(), panels.data_ptr(), int(pairs), n, _ptr(b),
+                                 y.data_ptr())
     return y
 
 
@@ -208,12 +236,15 @@ def pre_attn(x: torch.Tensor, ln: torch.Tensor, eps: float, wqkv: tuple[torch.Te
     h = torch.empty(t, d, dtype=torch.float32)
     out = torch.empty(t, n, dtype=x.dtype)
     cos, sin, ln, bias = _f32(cos), _f32(sin), _f32(ln), _f32(bias)
+    pairs = panels.dtype == torch.int32
     if x.dtype == torch.bfloat16:
-        q32 = torch.empty(t, n, dtype=torch.float32)
-        _lib().bf16w_pre_attn_bf16(x.data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), n, _ptr(bias),
-                                   cos.data_ptr(), sin.data_ptr(), nq, nk, hd, h.data_ptr(), q32.data_ptr(),
-                                   out.data_ptr())
+        q32, hb = torch.empty(t, n, dtype=torch.float32), torch.empty(t, d, dtype=torch.int16)
+        _lib().bf16w_pre_attn_bf16(x.data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), int(pairs), n,
+                                   _ptr(bias), cos.data_ptr(), sin.data_ptr(), nq, nk, hd, h.data_ptr(),
+                                   hb.data_ptr(), q32.data_ptr(), out.data_ptr())
         return out
+    if pairs:
+        raise ValueError("bf16w pre_attn: weights packed in pairs multiply bfloat16 rows, not float32")
     _lib().bf16w_pre_attn(_rows32(x).data_ptr(), t, d, ln.data_ptr(), eps, panels.data_ptr(), n, _ptr(bias),
                           cos.data_ptr(), sin.data_ptr(), nq, nk, hd, h.data_ptr(), out.data_ptr())
     return out
@@ -238,12 +269,20 @@ def post_attn(x: torch.Tensor, att: torch.Tensor, wo: tuple[torch.Tensor, int], 
     gu = torch.empty(t, ngu, dtype=torch.float32)
     a = torch.empty(t, inter, dtype=torch.float32)
     ln, bo, bgu, bdown = _f32(ln), _f32(bo), _f32(bgu), _f32(bdown)
+    pairs = {pp.dtype == torch.int32 for pp in (po, pgu, pd)}
+    if len(pairs) > 1:
+        raise ValueError("bf16w post_attn: weights packed by k and in pairs mixed in one call")
+    pairs = pairs.pop()
     if x.dtype == torch.bfloat16:
-        att32, y32 = torch.empty(t, qs, dtype=torch.float32), torch.empty(t, d, dtype=torch.float32)
+        att32 = torch.empty(0 if pairs else t * qs, dtype=torch.float32)
+        y32, xs = torch.empty(t, d, dtype=torch.float32), torch.empty(t * max(d, inter), dtype=torch.int16)
         _lib().bf16w_post_attn_bf16(x.data_ptr(), att.data_ptr(), t, d, qs, po.data_ptr(), _ptr(bo), ln.data_ptr(),
-                                    eps, pgu.data_ptr(), _ptr(bgu), inter, pd.data_ptr(), _ptr(bdown), y.data_ptr(),
-                                    att32.data_ptr(), y32.data_ptr(), h.data_ptr(), gu.data_ptr(), a.data_ptr())
+                                    eps, pgu.data_ptr(), _ptr(bgu), inter, pd.data_ptr(), _ptr(bdown), int(pairs),
+                                    y.data_ptr(), att32.data_ptr(), y32.data_ptr(), h.data_ptr(), gu.data_ptr(),
+                                    a.data_ptr(), xs.data_ptr())
         return y
+    if pairs:
+        raise ValueError("bf16w post_attn: weights packed in pairs multiply bfloat16 rows, not float32")
     x, att = _rows32(x), _rows32(att)
     _lib().bf16w_post_attn(x.data_ptr(), att.data_ptr(), t, d, qs, po.data_ptr(), _ptr(bo), ln.data_ptr(), eps,
                            pgu.data_ptr(), _ptr(bgu), inter, pd.data_ptr(), _ptr(bdown), y.data_ptr(), h.data_ptr(),

@@ -113,15 +113,22 @@ def test_bf16w_config_and_capabilities_refuse_what_it_cannot_run(tiny_fp32):
         DecodeConfig(lean_forward=True, matmul_backend="bf16w", bf16w_rows=65)
 
 
-@pytest.mark.parametrize("n,k", [(32, 16), (40, 72), (7, 33), (640, 384)])
-def test_bfloat16_rows_round_once_as_torch_bfloat16_matmul(n, k):
+PAIRS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    cpu_bf16w.unavailable() is not None or not cpu_bf16w.pairs_available(), reason="no AVX512-BF16 on this CPU"))]
+
+
+@pytest.mark.parametrize("pairs", PAIRS)
+@pytest.mark.parametrize("n,k", [(32, 16), (40, 72), (7, 34), (640, 384)])
+def test_bfloat16_rows_round_once_as_torch_bfloat16_matmul(n, k, pairs):
     """A bfloat16 deployment: bfloat16 rows in, bfloat16 out, each output the float32 sum (bias added) rounded once
     to nearest-even: equal to the float64 product rounded to bfloat16 except where the float32 sum lands on the
     other side of a rounding boundary (at most one bf16 ulp, rarely), and so to torch's bfloat16 F.linear; row m
-    of an M-row call is bit-identical to the row alone."""
+    of an M-row call is bit-identical to the row alone. Weights packed by k (FMA chains) and in pairs of k
+    (AVX512-BF16 dot products, where the CPU has them)."""
     w = _bf16_exact((n, k), 6).to(torch.bfloat16)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    panels = cpu_bf16w.pack(w)
+    panels = cpu_bf16w.pack(w, pairs)
+    assert panels.dtype == (torch.int32 if pairs else torch.int16)
     x = torch.randn(24, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     exact = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16)
     for m in (1, 5, 12, 13, 24):
@@ -137,6 +144,11 @@ def test_bfloat16_rows_round_once_as_torch_bfloat16_matmul(n, k):
     nan[1, 0] = float("nan")
     y = cpu_bf16w.linear(nan, panels, n)
     assert torch.isnan(y[1]).all() and not torch.isnan(y[0]).any()
+    if pairs:
+        with pytest.raises(ValueError, match="weights packed in pairs multiply bfloat16 rows, not torch.float32"):
+            cpu_bf16w.linear(x.float(), panels, n)
+        with pytest.raises(ValueError, match=r"in pairs of k only for an even K .*; use pairs=False"):
+            cpu_bf16w.pack(w[:, :-1].contiguous(), True)
 
 
 @torch.inference_mode()

@@ -54,12 +54,15 @@ def test_bfloat16_fused_layer_rounds_where_the_op_by_op_layer_rounds(arch):
     its logits equal the op-by-op layer's on the same kernel at widths 1 to 64 (measured bit-identical on these
     models and on the demo; a float32 summation order may move a value across a rounding boundary, so the test
     allows 2% of logits one bf16 step apart), and stay within bfloat16 rounding of torch's matmuls; a prefill
-    above bf16w_rows runs op by op; the fused calls take and give bfloat16 rows."""
+    above bf16w_rows runs op by op; the fused calls take and give bfloat16 rows. Weights in pairs of k where the
+    CPU has AVX512-BF16 (then the op-by-op layer multiplies with the same dot products)."""
     model = _model(arch).to(torch.bfloat16)
     ops, fused, plain = LeanLM(model), LeanLM(model), LeanLM(model)
     ops.set_matmul_backend("bf16w")
     fused.set_matmul_backend("bf16w")
     fused.set_fused_layer(True)
+    layout = torch.int32 if cpu_bf16w.pairs_available() else torch.int16
+    assert all(p.dtype == layout for p, _ in fused._bf16w.values())
     gen = torch.Generator().manual_seed(11)
     prompt = torch.randint(1, 256, (cpu_bf16w.MAX_ROWS + 5,), generator=gen)
     caches = [lm.new_cache() for lm in (ops, fused, plain)]
