@@ -339,6 +339,35 @@ def _agree(a: torch.Tensor, b: torch.Tensor, where: object) -> None:
         assert torch.equal(a, b), where
 
 
+@torch.inference_mode()
+def test_one_bfloat16_query_runs_folded_and_bit_identical_to_enable_gqa():
+    """A single bfloat16 query row without a mask (a decode step) runs each KV head's query heads as rows of one
+    SDPA head (5x faster on an EPYC's CPU path): the same output bits as SDPA with enable_gqa, at short and long
+    caches; float32 keeps the plain call."""
+    lean = LeanLM(_gqa_model("llama", torch.bfloat16))
+    gen = torch.Generator().manual_seed(9)
+    h, kv, hd = lean.n_heads, lean.n_kv, lean.head_dim
+    for n_keys in (3, 70, 700):
+        q = torch.randn(1, h, 1, hd, generator=gen).to(torch.bfloat16)
+        k, v = (torch.randn(1, kv, n_keys, hd, generator=gen).to(torch.bfloat16) for _ in range(2))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=lean.scale)
+        assert torch.equal(lean.attention(q, k, v, None), ref), n_keys
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, *rest, **kw):
+        calls.append((q.shape[1], kw.get("enable_gqa", False)))
+        return sdpa(q, k, *rest, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        lean.attention(q, k, v, None)
+        LeanLM(_gqa_model("llama", torch.float32)).attention(q.float(), k.float(), v.float(), None)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    assert calls == [(kv, False), (h, True)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama", "mistral-sw"])
 @torch.inference_mode()
