@@ -55,6 +55,10 @@ PRESETS: dict[str, dict] = {
                              "matmul_backend": "bf16w", "fused_layer": True},
     "sd-corpus-tree-layer": {"drafter": "corpus", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
                              "matmul_backend": "bf16w", "fused_layer": True, "corpus_tree_alts": CORPUS_TREE_ALTS},
+    "sd-ngram-lean-layer": {"drafter": "ngram", "draft_len": NGRAM_DRAFT_LEN, "lean_forward": True,
+                            "matmul_backend": "bf16w", "fused_layer": True},
+    "sd-mtp-layer": {"lean_forward": True, "drafter": "mtp", "draft_len": MTP_DRAFT_LEN, "matmul_backend": "bf16w",
+                     "fused_layer": True},
     # Mechanism fused-mlp on top of onednn-matmul: from FUSED_MLP_ROWS rows (a prefill), the MLP's SiLU and product
     # ride on oneDNN's matmuls.
     "ar-lean-fused": {"method": "ar", "lean_forward": True, "matmul_backend": "onednn",

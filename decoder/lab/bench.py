@@ -79,8 +79,10 @@ FUSED_METHODS = ("ar-lean-fused", "sd-corpus-lean-fused", "sd-corpus-tree-fused"
 # deployments of bf16 checkpoints on AVX-512 CPUs. Not in the default set; speedups against ar-lean-bf16w.
 BF16W_METHODS = ("ar-lean-bf16w", "sd-corpus-lean-bf16w", "sd-corpus-tree-bf16w")
 # Mechanism bf16w-fused-layer on top of it: each layer's work around attention as two kernel calls at a step's few
-# rows. Not in the default set; speedups against ar-lean-layer.
-LAYER_METHODS = ("ar-lean-layer", "sd-corpus-lean-layer", "sd-corpus-tree-layer")
+# rows. Not in the default set; speedups against ar-lean-layer. sd-ngram-lean-layer and sd-mtp-layer (the MTP heads)
+# need no corpus datastore.
+LAYER_METHODS = ("ar-lean-layer", "sd-corpus-lean-layer", "sd-corpus-tree-layer", "sd-ngram-lean-layer",
+                 "sd-mtp-layer")
 ALL_METHODS = OUR_METHODS + LEAN_METHODS + TREE_METHODS + HF_TREE_METHODS + FEATURE_METHODS + HF_METHODS
 KNOWN_METHODS = tuple(dict.fromkeys(  # sd-corpus-lean-fused is a corpus method and a fused one: listed once
     ALL_METHODS + W12_METHODS + T_METHODS + DNN_METHODS + CORPUS_METHODS + FUSED_METHODS + BF16W_METHODS
@@ -111,7 +113,7 @@ def tree_base(name: str) -> str | None:
 def feature_base(name: str) -> str | None:
     """The feature method `name` runs (sd-mtp-vocab-dnn -> sd-mtp-vocab), None for any other method; the MTP comb
     tree (sd-mtp-tree-dnn) is the pruned heads' method with alternatives (`FeatureSettings.overrides`)."""
-    base = name.removesuffix("-dnn")
+    base = name.removesuffix("-dnn").removesuffix("-layer")
     return base if base in FEATURE_METHODS else "sd-mtp-vocab" if base == "sd-mtp-tree" else None
 
 
@@ -166,7 +168,8 @@ class FeatureSettings:
     drafters: str | None = None  # directory of the target's feature drafters (default TARGET/drafters)
 
     def overrides(self, name: str) -> dict:
-        name = name.removesuffix("-dnn")  # the oneDNN variants take the same flags
+        if name != "sd-corpus-tree-layer":  # the oneDNN and fused-layer variants take the same flags
+            name = name.removesuffix("-dnn").removesuffix("-layer")
         if name == "sd-block":
             return {"draft_len": self.block_draft_len}
         if name == "sd-mtp":
