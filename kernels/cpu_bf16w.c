@@ -19,13 +19,22 @@
 
 #define MAX_RB 12
 
+/* The RB rows' accumulators of one 32-output panel (two vectors a row), zeroed, then stored to acc [RB][32]. */
+#define ACC_ZERO(RB)                                                                                              \
+    __m512 a0[RB], a1[RB];                                                                                        \
+    for (int m = 0; m < RB; m++) {                                                                                \
+        a0[m] = _mm512_setzero_ps();                                                                              \
+        a1[m] = _mm512_setzero_ps();                                                                              \
+    }
+#define ACC_STORE(RB)                                                                                             \
+    for (int m = 0; m < RB; m++) {                                                                                \
+        _mm512_storeu_ps(acc + m * 32, a0[m]);                                                                    \
+        _mm512_storeu_ps(acc + m * 32 + 16, a1[m]);                                                               \
+    }
+
 #define KERN(RB)                                                                                                  \
     static void kern##RB(const float *x, int K, const uint16_t *pw, float *acc) {                                \
-        __m512 a0[RB], a1[RB];                                                                                    \
-        for (int m = 0; m < RB; m++) {                                                                            \
-            a0[m] = _mm512_setzero_ps();                                                                          \
-            a1[m] = _mm512_setzero_ps();                                                                          \
-        }                                                                                                         \
+        ACC_ZERO(RB)                                                                                              \
         for (int k = 0; k < K; k++) {                                                                             \
             __m512i w16 = _mm512_loadu_si512((const void *)(pw + (size_t)k * 32));                                \
             __m512 w0 = _mm512_castsi512_ps(                                                                      \
@@ -38,10 +47,7 @@
                 a1[m] = _mm512_fmadd_ps(xb, w1, a1[m]);                                                           \
             }                                                                                                     \
         }                                                                                                         \
-        for (int m = 0; m < RB; m++) {                                                                            \
-            _mm512_storeu_ps(acc + m * 32, a0[m]);                                                                \
-            _mm512_storeu_ps(acc + m * 32 + 16, a1[m]);                                                           \
-        }                                                                                                         \
+        ACC_STORE(RB)                                                                                             \
     }
 
 KERN(1) KERN(2) KERN(3) KERN(4) KERN(5) KERN(6) KERN(7) KERN(8) KERN(9) KERN(10) KERN(11) KERN(12)
@@ -58,11 +64,7 @@ static const kern_fn KERNS[MAX_RB + 1] = {0,     kern1, kern2, kern3,  kern4,  k
 #define DPKERN(RB)                                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void dpkern##RB(const uint16_t *x, int K,      \
                                                                                  const uint16_t *pw, float *acc) { \
-        __m512 a0[RB], a1[RB];                                                                                    \
-        for (int m = 0; m < RB; m++) {                                                                            \
-            a0[m] = _mm512_setzero_ps();                                                                          \
-            a1[m] = _mm512_setzero_ps();                                                                          \
-        }                                                                                                         \
+        ACC_ZERO(RB)                                                                                              \
         for (int kp = 0; kp < K / 2; kp++) {                                                                      \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(pw + (size_t)kp * 64));                     \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(pw + (size_t)kp * 64 + 32));                \
@@ -74,10 +76,7 @@ static const kern_fn KERNS[MAX_RB + 1] = {0,     kern1, kern2, kern3,  kern4,  k
                 a1[m] = _mm512_dpbf16_ps(a1[m], xb, w1);                                                          \
             }                                                                                                     \
         }                                                                                                         \
-        for (int m = 0; m < RB; m++) {                                                                            \
-            _mm512_storeu_ps(acc + m * 32, a0[m]);                                                                \
-            _mm512_storeu_ps(acc + m * 32 + 16, a1[m]);                                                           \
-        }                                                                                                         \
+        ACC_STORE(RB)                                                                                             \
     }
 
 DPKERN(1) DPKERN(2) DPKERN(3) DPKERN(4) DPKERN(5) DPKERN(6) DPKERN(7) DPKERN(8) DPKERN(9) DPKERN(10) DPKERN(11)
