@@ -214,7 +214,8 @@ static inline __m512 exp512(__m512 x) {
 }
 
 /* out[d] = w[d] * (x[d] / sqrt(mean(x^2) + eps)), as Llama's RMSNorm in float32. */
-static void rms_row(const float *x, int D, const float *w, float eps, float *out) {
+/* 1 / sqrt(mean(x^2) + eps) of one row. */
+static float rms_scale(const float *x, int D, float eps) {
     __m512 acc = _mm512_setzero_ps();
     int d = 0;
     for (; d + 16 <= D; d += 16) {
@@ -223,8 +224,12 @@ static void rms_row(const float *x, int D, const float *w, float eps, float *out
     }
     float ss = _mm512_reduce_add_ps(acc);
     for (; d < D; d++) ss += x[d] * x[d];
-    float r = 1.0f / sqrtf(ss / (float)D + eps);
-    for (d = 0; d < D; d++) out[d] = w[d] * (x[d] * r);
+    return 1.0f / sqrtf(ss / (float)D + eps);
+}
+
+static void rms_row(const float *x, int D, const float *w, float eps, float *out) {
+    float r = rms_scale(x, D, eps);
+    for (int d = 0; d < D; d++) out[d] = w[d] * (x[d] * r);
 }
 
 /* One head's rotary embedding in place: with half = hd / 2, (a, b) = (x[i], x[i + half]) becomes
@@ -347,17 +352,8 @@ static void mm_bf(const float *x, uint16_t *xb, int M, int K, const uint16_t *wp
 }
 
 static void rms_row_bf(const float *x, int D, const float *w, float eps, float *out) {
-    float ss = 0.0f;
-    __m512 acc = _mm512_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        __m512 v = _mm512_loadu_ps(x + d);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    ss = _mm512_reduce_add_ps(acc);
-    for (; d < D; d++) ss += x[d] * x[d];
-    float r = 1.0f / sqrtf(ss / (float)D + eps);
-    for (d = 0; d < D; d++) out[d] = rb(w[d] * rb(x[d] * r));
+    float r = rms_scale(x, D, eps);
+    for (int d = 0; d < D; d++) out[d] = rb(w[d] * rb(x[d] * r));
 }
 
 static void rope_head_bf(float *x, const float *c, const float *s, int hd) {
